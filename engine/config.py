@@ -1,0 +1,70 @@
+"""Frozen settings shared by the engine, the simulator and the Hydra schemas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULER_NAMES = ("serial", "static", "continuous")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits a scheduler works within (vLLM names).
+
+    ``num_kv_blocks`` × ``block_size`` is the KV capacity in tokens that the scheduler accounts
+    for; the model runner sizes its cache from the same numbers, so running out of blocks in the
+    scheduler is exactly running out of cache.
+    """
+
+    name: str = "continuous"
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 256
+    long_prefill_token_threshold: int = 128
+    num_kv_blocks: int = 1024
+    block_size: int = 16
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.name not in SCHEDULER_NAMES:
+            raise ValueError(f"scheduler.name must be one of {SCHEDULER_NAMES}, got {self.name!r}")
+        for field in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
+                      "num_kv_blocks", "block_size", "max_model_len"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"scheduler.{field} must be a positive integer, got {value!r}")
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+
+MODEL_NAMES = ("tiny", "qwen2_5_0_5b")
+DTYPES = ("float32", "bfloat16")
+ATTENTION_BACKENDS = ("ragged", "masked")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model the runner builds, and how it runs on this machine.
+
+    With ``path`` unset, ``name`` picks a bundled real config and the weights are seeded random
+    (cost depends on shapes, not values); with ``path`` set, a local checkpoint directory is
+    loaded and the hub is never contacted.
+    """
+
+    name: str = "tiny"
+    path: str | None = None
+    dtype: str = "float32"
+    seed: int = 0
+    num_threads: int | None = None
+    attention: str = "ragged"
+
+    def __post_init__(self) -> None:
+        if self.path is None and self.name not in MODEL_NAMES:
+            raise ValueError(f"model.name must be one of {MODEL_NAMES} (or set model.path), got {self.name!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"model.attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"model.num_threads must be >= 1, got {self.num_threads!r}")

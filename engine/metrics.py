@@ -1,0 +1,152 @@
+"""Per-request and per-run latency metrics, with vLLM's definitions.
+
+One module serves the in-process engine, the HTTP client and the simulator, so a real and a
+simulated run are always measured the same way. Times are seconds from the start of the run.
+  TTFT  = first token time − arrival
+  TPOT  = (E2E − TTFT) / (output tokens − 1), requests with one output token excluded
+  ITL   = gaps between consecutive output tokens of one request
+  E2EL  = last token time − arrival
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.request import Request
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    request_id: str
+    arrival_s: float
+    first_scheduled_s: float
+    token_times_s: tuple[float, ...]
+    prompt_tokens: int
+    output_tokens: int
+    num_preemptions: int = 0
+    status: str = "FINISHED_LENGTH"
+
+    @classmethod
+    def from_request(cls, request: Request) -> RequestRecord:
+        return cls(
+            request_id=request.request_id,
+            arrival_s=request.arrival_s,
+            first_scheduled_s=(request.first_scheduled_s if request.first_scheduled_s is not None
+                               else math.nan),
+            token_times_s=tuple(request.token_times_s),
+            prompt_tokens=request.num_prompt_tokens,
+            output_tokens=request.num_output_tokens,
+            num_preemptions=request.num_preemptions,
+            status=request.status.name,
+        )
+
+    @property
+    def finish_s(self) -> float:
+        return self.token_times_s[-1] if self.token_times_s else math.nan
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times_s[0] - self.arrival_s if self.token_times_s else math.nan
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float:
+        n = len(self.token_times_s)
+        return (self.e2e_s - self.ttft_s) / (n - 1) if n > 1 else math.nan
+
+    @property
+    def queue_s(self) -> float:
+        return self.first_scheduled_s - self.arrival_s
+
+    @property
+    def itl_s(self) -> np.ndarray:
+        return np.diff(np.asarray(self.token_times_s, dtype=float))
+
+
+def distribution(values: Iterable[float]) -> dict[str, float]:
+    """mean, std and p50/p90/p99 of the finite values (NaN where there are none)."""
+    arr = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
+    if arr.size == 0:
+        return {"mean": math.nan, "std": math.nan, **{f"p{p}": math.nan for p in PERCENTILES}}
+    return {"mean": float(arr.mean()), "std": float(arr.std()),
+            **{f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}}
+
+
+def summarize(records: Sequence[RequestRecord], duration_s: float | None = None,
+              slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> dict:
+    """Run-level metrics. ``duration_s`` defaults to first arrival → last token.
+
+    Goodput counts requests meeting every SLO given (vLLM's ``--goodput``).
+    """
+    done = [r for r in records if r.token_times_s]
+    if duration_s is None:
+        duration_s = (max(r.finish_s for r in done) - min(r.arrival_s for r in records)) if done else 0.0
+    out_tokens = sum(r.output_tokens for r in done)
+    in_tokens = sum(r.prompt_tokens for r in done)
+    per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: math.nan)
+    good = [r for r in done
+            if (slo_ttft_s is None or r.ttft_s <= slo_ttft_s)
+            and (slo_tpot_s is None or math.isnan(r.tpot_s) or r.tpot_s <= slo_tpot_s)]
+    itls = np.concatenate([r.itl_s for r in done]) if done else np.array([])
+    return {
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "duration_s": duration_s,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput_req_s": per_s(len(done)),
+        "output_throughput_tok_s": per_s(out_tokens),
+        "total_token_throughput_tok_s": per_s(out_tokens + in_tokens),
+        "goodput_req_s": per_s(len(good)),
+        "ttft_s": distribution(r.ttft_s for r in done),
+        "tpot_s": distribution(r.tpot_s for r in done),
+        "itl_s": distribution(itls.tolist()),
+        "e2el_s": distribution(r.e2e_s for r in done),
+        "queue_s": distribution(r.queue_s for r in done),
+        "num_preemptions": sum(r.num_preemptions for r in records),
+    }
+
+
+REQUEST_COLUMNS = ("request_id", "arrival_s", "first_scheduled_s", "first_token_s", "finish_s",
+                   "prompt_tokens", "output_tokens", "ttft_s", "tpot_s", "e2e_s", "queue_s",
+                   "num_preemptions", "status", "token_times_s")
+
+
+def write_requests_csv(records: Sequence[RequestRecord], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(REQUEST_COLUMNS)
+        for r in records:
+            first = r.token_times_s[0] if r.token_times_s else math.nan
+            w.writerow([r.request_id, r.arrival_s, r.first_scheduled_s, first, r.finish_s,
+                        r.prompt_tokens, r.output_tokens, r.ttft_s, r.tpot_s, r.e2e_s, r.queue_s,
+                        r.num_preemptions, r.status, " ".join(repr(t) for t in r.token_times_s)])
+
+
+def read_requests_csv(path: Path) -> list[RequestRecord]:
+    with open(path, newline="") as f:
+        return [RequestRecord(
+            request_id=row["request_id"], arrival_s=float(row["arrival_s"]),
+            first_scheduled_s=float(row["first_scheduled_s"]),
+            token_times_s=tuple(float(t) for t in row["token_times_s"].split()),
+            prompt_tokens=int(row["prompt_tokens"]), output_tokens=int(row["output_tokens"]),
+            num_preemptions=int(row["num_preemptions"]), status=row["status"],
+        ) for row in csv.DictReader(f)]
+
+
+def write_metrics_json(metrics: dict, path: Path) -> None:
+    Path(path).write_text(json.dumps(metrics, indent=2, allow_nan=True) + "\n")
+
+

@@ -1,0 +1,78 @@
+"""Executes a BatchPlan as ONE forward pass over a packed (1, T) batch, then samples greedily."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from engine.attention import RaggedBatch, SlotKVCache
+from engine.config import ModelConfig, SchedulerConfig
+from engine.model_loader import load_model
+from engine.plan import BatchPlan, StepResult
+from engine.request import Request
+
+
+class ModelRunner:
+    """Owns the model and its KV slots; knows nothing about queues or policies."""
+
+    def __init__(self, model_config: ModelConfig, scheduler_config: SchedulerConfig) -> None:
+        self.model_config = model_config
+        self.model, self.tokenizer = load_model(model_config)
+        cfg = self.model.config
+        self.vocab_size: int = cfg.vocab_size
+        self.eos_token_id: int | None = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else None
+        self.max_model_len = min(scheduler_config.max_model_len, cfg.max_position_embeddings)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.cache = SlotKVCache(cfg.num_hidden_layers, scheduler_config.max_num_seqs, cfg.num_key_value_heads,
+                                 self.max_model_len, head_dim, self.model.dtype)
+        self._free_slots = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
+        self._slot_of: dict[str, int] = {}
+
+    def free(self, request_ids: Iterable[str]) -> None:
+        """Return the KV slots of finished, aborted or preempted requests."""
+        for rid in request_ids:
+            slot = self._slot_of.pop(rid, None)
+            if slot is not None:
+                self._free_slots.append(slot)
+
+    def _slot(self, request_id: str, context_len: int) -> int:
+        slot = self._slot_of.get(request_id)
+        if slot is None:
+            if context_len != 0:
+                raise RuntimeError(f"request {request_id} resumes at {context_len} tokens but holds no KV slot")
+            slot = self._slot_of[request_id] = self._free_slots.pop()
+        return slot
+
+    @torch.inference_mode()
+    def execute(self, plan: BatchPlan, requests: Mapping[str, Request], *,
+                return_logits: bool = False) -> StepResult | tuple[StepResult, torch.Tensor]:
+        self.free(plan.preempted_ids)
+        token_ids: list[int] = []
+        sample_rows: list[int] = []
+        slots: list[int] = []
+        for rid, n, ctx, samples in zip(plan.request_ids, plan.num_tokens, plan.context_lens, plan.samples):
+            token_ids += requests[rid].token_ids(ctx, n)
+            slots.append(self._slot(rid, ctx))
+            if samples:
+                sample_rows.append(len(token_ids) - 1)
+        batch = RaggedBatch.build(slots, list(plan.num_tokens), list(plan.context_lens),
+                                  self.model_config.attention)
+        self.cache.batch = batch
+        input_ids = torch.tensor([token_ids], dtype=torch.long)
+        rows = torch.tensor(sample_rows, dtype=torch.long)
+        start = time.perf_counter()
+        with torch.profiler.record_function(plan.label):
+            logits = self.model(
+                input_ids=input_ids,
+                position_ids=batch.positions[None],
+                attention_mask={"full_attention": batch, "sliding_attention": batch},
+                cache=self.cache,
+                use_cache=False,
+                logits_to_keep=rows,
+            ).logits[0]
+            next_tokens = logits.argmax(dim=-1)
+        duration = time.perf_counter() - start
+        result = StepResult(token_ids=tuple(next_tokens.tolist()), duration_s=duration)
+        return (result, logits.float()) if return_logits else result

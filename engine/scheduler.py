@@ -1,0 +1,165 @@
+"""The three scheduling policies. Pure: they read and admit into a ServingState, return a plan.
+
+No torch, no simpy, no clock here: the real engine and the simulator run exactly this code, and
+the only thing that differs between them is how long executing the returned plan takes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from engine.config import SchedulerConfig
+from engine.plan import BatchPlan
+from engine.request import Request, RequestStatus
+from engine.state import ServingState
+
+
+class Scheduler(ABC):
+    name: str
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def schedule(self, state: ServingState) -> BatchPlan | None:
+        """The next model call, or None when nothing can run until a request arrives."""
+
+
+class StaticScheduler(Scheduler):
+    """A closed group: admit up to ``max_num_seqs`` when nothing runs, prefill them in one call,
+    then decode the unfinished members every step. Holes left by short requests stay empty
+    until the whole group is done. The group reserves its full KV up front, so it never preempts."""
+
+    name = "static"
+
+    @property
+    def group_size(self) -> int:
+        return self.config.max_num_seqs
+
+    def schedule(self, state: ServingState) -> BatchPlan | None:
+        if not state.running:
+            self._admit_group(state)
+        if not state.running:
+            return None
+        members = state.running
+        to_prefill = [r for r in members if r.num_computed_tokens == 0]
+        if to_prefill:
+            return BatchPlan(
+                scheduler=self.name,
+                request_ids=tuple(r.request_id for r in to_prefill),
+                num_tokens=tuple(r.num_tokens for r in to_prefill),
+                context_lens=(0,) * len(to_prefill),
+                samples=(True,) * len(to_prefill),
+                num_decodes=0,
+            )
+        return BatchPlan(
+            scheduler=self.name,
+            request_ids=tuple(r.request_id for r in members),
+            num_tokens=(1,) * len(members),
+            context_lens=tuple(r.num_computed_tokens for r in members),
+            samples=(True,) * len(members),
+            num_decodes=len(members),
+        )
+
+    def _admit_group(self, state: ServingState) -> None:
+        while state.waiting and len(state.running) < self.group_size:
+            head = state.waiting[0]
+            if not state.kv.grow(head.request_id, head.max_total_tokens):
+                break
+            state.admit(head)
+
+
+class SerialScheduler(StaticScheduler):
+    """One request from prefill to its last token, then the next: a static group of one."""
+
+    name = "serial"
+
+    @property
+    def group_size(self) -> int:
+        return 1
+
+
+class ContinuousScheduler(Scheduler):
+    """Iteration-level batching with chunked prefill (vLLM v1 style).
+
+    Each step: one token for every decoding request, then the rest of ``max_num_batched_tokens``
+    on prefill chunks of at most ``long_prefill_token_threshold`` tokens — partially prefilled
+    requests first, then waiting requests FCFS while ``max_num_seqs`` and KV blocks allow. When a
+    running request cannot get a KV block, the newest running request is preempted and will be
+    recomputed from scratch later.
+    """
+
+    name = "continuous"
+
+    def schedule(self, state: ServingState) -> BatchPlan | None:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        entries: dict[str, tuple[int, int, bool]] = {}  # id -> (tokens, context, samples)
+        preempted: list[str] = []
+
+        def reserve(request: Request, n: int) -> bool:
+            """Blocks for ``n`` more tokens, preempting the newest running requests if needed."""
+            nonlocal budget
+            while not state.kv.grow(request.request_id, request.num_computed_tokens + n):
+                victim = state.running[-1]
+                state.preempt(victim)
+                preempted.append(victim.request_id)
+                undone = entries.pop(victim.request_id, None)
+                if undone is not None:
+                    budget += undone[0]
+                if victim is request:
+                    return False
+            return True
+
+        for phase_is_decode in (True, False):
+            for request in list(state.running):
+                if budget == 0:
+                    break
+                if (request.status != RequestStatus.RUNNING or request.is_decoding != phase_is_decode
+                        or request.request_id in entries):
+                    continue
+                remaining = request.num_tokens - request.num_computed_tokens
+                n = 1 if phase_is_decode else min(remaining, cfg.long_prefill_token_threshold, budget)
+                if reserve(request, n):
+                    entries[request.request_id] = (n, request.num_computed_tokens, n == remaining)
+                    budget -= n
+
+        if not preempted:  # as vLLM: no admissions in a step that had to preempt
+            while state.waiting and budget > 0 and len(state.running) < cfg.max_num_seqs:
+                request = state.waiting[0]
+                remaining = request.num_tokens  # nothing computed while waiting
+                n = min(remaining, cfg.long_prefill_token_threshold, budget)
+                if not state.kv.grow(request.request_id, n):
+                    break
+                state.admit(request)
+                entries[request.request_id] = (n, 0, n == remaining)
+                budget -= n
+
+        if not entries:
+            return None
+        return self._plan(state, entries, preempted)
+
+    def _plan(self, state: ServingState, entries: dict[str, tuple[int, int, bool]],
+              preempted: list[str]) -> BatchPlan:
+        ids = tuple(entries)  # decodes were entered first, so they lead
+        plan = BatchPlan(
+            scheduler=self.name,
+            request_ids=ids,
+            num_tokens=tuple(entries[rid][0] for rid in ids),
+            context_lens=tuple(entries[rid][1] for rid in ids),
+            samples=tuple(entries[rid][2] for rid in ids),
+            num_decodes=sum(1 for rid in ids if state.requests[rid].is_decoding),
+            preempted_ids=tuple(preempted),
+        )
+        assert plan.total_tokens <= self.config.max_num_batched_tokens
+        assert len(state.running) <= self.config.max_num_seqs
+        return plan
+
+
+SCHEDULERS: dict[str, type[Scheduler]] = {
+    cls.name: cls for cls in (SerialScheduler, StaticScheduler, ContinuousScheduler)
+}
+
+
+def make_scheduler(config: SchedulerConfig) -> Scheduler:
+    return SCHEDULERS[config.name](config)

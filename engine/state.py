@@ -1,0 +1,160 @@
+"""The serving state both the engine and the simulator mutate: queues and KV-block accounting."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from engine.config import SchedulerConfig
+from engine.plan import BatchPlan
+from engine.request import Request, RequestStatus
+
+
+class KVBlockPool:
+    """Counts fixed-size KV blocks per request; the model runner's cache has the same capacity."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_free = num_blocks
+        self.held: dict[str, int] = {}
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def grow(self, request_id: str, num_tokens: int) -> bool:
+        """Make ``request_id`` hold enough blocks for ``num_tokens``; False (and no change) if short."""
+        have = self.held.get(request_id, 0)
+        need = self.blocks_for(num_tokens) - have
+        if need <= 0:
+            return True
+        if need > self.num_free:
+            return False
+        self.num_free -= need
+        self.held[request_id] = have + need
+        return True
+
+    def can_grow(self, request_id: str, num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) - self.held.get(request_id, 0) <= self.num_free
+
+    def release(self, request_id: str) -> None:
+        self.num_free += self.held.pop(request_id, 0)
+
+
+class ServingState:
+    """Waiting, running and finished requests. Schedulers read and admit; ``apply`` advances."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVBlockPool(config.num_kv_blocks, config.block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every request not yet finished, by id
+
+    # --- arrivals ------------------------------------------------------------------------------
+    def validate(self, request: Request) -> None:
+        """Refuse what could never run here, before it is accepted."""
+        cfg = self.config
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        if request.max_total_tokens > cfg.max_model_len:
+            raise ValueError(
+                f"request {request.request_id}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.max_tokens}) = {request.max_total_tokens} exceeds max_model_len ({cfg.max_model_len})")
+        if self.kv.blocks_for(request.max_total_tokens) > cfg.num_kv_blocks:
+            raise ValueError(
+                f"request {request.request_id}: needs {self.kv.blocks_for(request.max_total_tokens)} KV blocks "
+                f"but the cache has only {cfg.num_kv_blocks}")
+
+    def add(self, request: Request) -> None:
+        self.validate(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- transitions the schedulers use ------------------------------------------------------
+    def admit(self, request: Request) -> None:
+        """Move the head of the waiting queue into the running set."""
+        if not self.waiting or self.waiting[0] is not request:
+            raise ValueError("only the head of the waiting queue can be admitted")
+        self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def preempt(self, request: Request) -> None:
+        """Free the request's KV and put it back at the head of the queue to recompute later."""
+        self.running.remove(request)
+        self.kv.release(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+
+    def abort(self, request_id: str, now_s: float) -> Request | None:
+        """Cancel a request wherever it is; its blocks are free at once."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED, now_s)
+        return request
+
+    # --- after a model call -------------------------------------------------------------------
+    def apply(self, plan: BatchPlan, token_ids: Sequence[int] | None, start_s: float,
+              end_s: float) -> list[Request]:
+        """Advance every scheduled request; ``token_ids`` (None in simulation) go to sampling entries.
+
+        Returns the requests that finished in this step.
+        """
+        requests = self.requests
+        finished: list[Request] = []
+        k = 0
+        for request_id, n, sampled in zip(plan.request_ids, plan.num_tokens, plan.samples):
+            request = requests.get(request_id)
+            if request is None:  # aborted while the call ran
+                k += sampled
+                continue
+            if request.first_scheduled_s is None:
+                request.first_scheduled_s = start_s
+            request.num_computed_tokens += n
+            if sampled:
+                request.append_output(token_ids[k] if token_ids is not None else 0, end_s)
+                k += 1
+                reason = request.stop_reason()
+                if reason is not None:
+                    self.running.remove(request)
+                    self._finish(request, reason, end_s)
+                    finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus, now_s: float) -> None:
+        request.status = status
+        request.finished_s = now_s
+        self.kv.release(request.request_id)
+        del self.requests[request.request_id]
+        self.finished.append(request)
+
+    def check_invariants(self) -> None:
+        """Conservation of blocks and requests; tests call it after every step."""
+        kv = self.kv
+        assert kv.num_free >= 0 and kv.num_free + sum(kv.held.values()) == kv.num_blocks
+        assert len(self.running) <= self.config.max_num_seqs
+        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        assert len(ids) == len(set(ids)) == len(self.requests)
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING
+            assert kv.held.get(r.request_id, 0) >= kv.blocks_for(r.num_computed_tokens)
+        for r in self.waiting:
+            assert r.request_id not in kv.held and r.num_computed_tokens == 0

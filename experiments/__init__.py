@@ -1,0 +1,1 @@
+"""Hydra apps: thin ``@hydra.main`` entry points over plain library functions."""

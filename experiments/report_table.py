@@ -1,0 +1,26 @@
+"""Plain-text tables for the terminal (no extra dependency)."""
+
+from __future__ import annotations
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def format_seed_table(results: dict, max_num_seqs: int) -> str:
+    """The seed's result table: work, calls, throughput, latency and occupancy per scheduler."""
+    header = ["scheduler", "out tok", "calls (pre/dec)", "out tok/s", "TTFT mean/p50/p99 s",
+              "E2E mean/p50/p99 s", f"at max={max_num_seqs}", "below max", "gaps ms"]
+    rows = []
+    for name, r in results.items():
+        t, e = r["ttft_s"], r["e2e_s"]
+        rows.append([
+            name, r["output_tokens"], f"{r['model_calls']} ({r['prefill_calls']}/{r['decode_calls']})",
+            f"{r['output_throughput_tok_s']:.2f}",
+            f"{t['mean']:.3f}/{t['p50']:.3f}/{t['p99']:.3f}", f"{e['mean']:.3f}/{e['p50']:.3f}/{e['p99']:.3f}",
+            f"{100 * r['occupancy_at_max']:.1f}%", f"{100 * (1 - r['occupancy_at_max']):.1f}%",
+            f"{1000 * r['gap_s']:.1f}",
+        ])
+    return format_table(header, rows)

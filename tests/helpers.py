@@ -1,0 +1,37 @@
+"""Small builders shared by the tests (vLLM's ``create_requests`` style)."""
+
+from __future__ import annotations
+
+from engine.config import SchedulerConfig
+from engine.plan import BatchPlan
+from engine.request import Request
+from engine.scheduler import make_scheduler
+from engine.state import ServingState
+
+SEED_OUTPUTS = (4, 16, 8, 12)
+
+
+def create_requests(num: int, prompt_len: int = 12, outputs=SEED_OUTPUTS, arrival_s: float = 0.0,
+                    prefix: str = "r") -> list[Request]:
+    return [Request(f"{prefix}{i}", [(7 * i + j) % 500 + 2 for j in range(prompt_len)], outputs[i % len(outputs)],
+                    arrival_s=arrival_s) for i in range(num)]
+
+
+def drain(config: SchedulerConfig, requests: list[Request], check: bool = True) -> tuple[list[BatchPlan], ServingState]:
+    """Run the pure scheduler to completion with one (fake) step per plan; no model involved."""
+    state = ServingState(config)
+    scheduler = make_scheduler(config)
+    for r in requests:
+        state.add(r)
+    plans = []
+    t = 0.0
+    while state.has_unfinished:
+        plan = scheduler.schedule(state)
+        assert plan is not None, "work is waiting but nothing was scheduled"
+        t += 1.0
+        state.apply(plan, None, t - 1.0, t)
+        if check:
+            state.check_invariants()
+        plans.append(plan)
+        assert len(plans) < 100_000
+    return plans, state
