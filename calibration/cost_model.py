@@ -1,0 +1,87 @@
+"""The cost model: a call's duration as a non-negative linear function of features of its plan.
+
+Torch-free, so the simulator can load a profile without the model. Features (per model call):
+  const              1
+  prefill_tokens     query tokens of prefill chunks (the dense matmul work)
+  decode_tokens      decoding requests (one query token each)
+  decode_context     Σ context of decoding requests (KV read by decode attention)
+  prefill_attention  Σ chunk × (prior context + chunk / 2) (prefill attention work)
+  num_requests       requests in the call (per-request attention and packing overhead)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.plan import BatchPlan
+
+FEATURES: tuple[str, ...] = ("const", "prefill_tokens", "decode_tokens", "decode_context",
+                             "prefill_attention", "num_requests")
+
+
+def plan_features(plan: BatchPlan) -> tuple[float, ...]:
+    nd = plan.num_decodes
+    ns, ctx = plan.num_tokens, plan.context_lens
+    prefill_tokens = 0
+    prefill_attention = 0.0
+    for n, c in zip(ns[nd:], ctx[nd:]):
+        prefill_tokens += n
+        prefill_attention += n * (c + n / 2)
+    return (1.0, float(prefill_tokens), float(nd), float(sum(ctx[:nd])), prefill_attention,
+            float(len(ns)))
+
+
+class ProfileMismatchError(ValueError):
+    """A calibration profile measured for another model, dtype or feature set."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per model call, plus the per-step time spent outside the call."""
+
+    coefficients: tuple[float, ...]
+    step_overhead_s: float = 0.0
+    feature_names: tuple[str, ...] = FEATURES
+    fingerprint: str | None = None  # engine.model_loader.config_fingerprint of what was measured
+    info: dict = field(default_factory=dict)  # fit errors, device, threads, torch version, date ...
+
+    def __post_init__(self) -> None:
+        if tuple(self.feature_names) != FEATURES:
+            raise ProfileMismatchError(f"profile features {list(self.feature_names)} are not this version's "
+                                       f"{list(FEATURES)}; recalibrate")
+        if len(self.coefficients) != len(FEATURES):
+            raise ValueError(f"need {len(FEATURES)} coefficients, got {len(self.coefficients)}")
+        if any(c < 0 for c in self.coefficients) or self.step_overhead_s < 0:
+            raise ValueError("cost coefficients and step overhead must be non-negative")
+
+    def predict(self, plan: BatchPlan) -> float:
+        """Duration of the model call that executes ``plan``, in seconds."""
+        return sum(c * x for c, x in zip(self.coefficients, plan_features(plan)))
+
+    def predict_features(self, rows: Sequence[Sequence[float]]) -> list[float]:
+        return [sum(c * x for c, x in zip(self.coefficients, row)) for row in rows]
+
+    def to_dict(self) -> dict:
+        return {"feature_names": list(self.feature_names), "coefficients": list(self.coefficients),
+                "step_overhead_s": self.step_overhead_s, "fingerprint": self.fingerprint, **self.info}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path, expect_fingerprint: str | None = None) -> CostModel:
+        """Read a profile; refuse one measured for a different model or dtype."""
+        data = json.loads(Path(path).read_text())
+        fingerprint = data.get("fingerprint")
+        if expect_fingerprint is not None and fingerprint != expect_fingerprint:
+            raise ProfileMismatchError(
+                f"profile {path} was measured for model fingerprint {fingerprint} "
+                f"({data.get('model', {}).get('name', '?')}, {data.get('model', {}).get('dtype', '?')}) "
+                f"but this run uses {expect_fingerprint}; calibrate this model first")
+        info = {k: v for k, v in data.items()
+                if k not in ("feature_names", "coefficients", "step_overhead_s", "fingerprint")}
+        return cls(tuple(data["coefficients"]), data.get("step_overhead_s", 0.0),
+                   tuple(data.get("feature_names", ())), fingerprint, info)
