@@ -1,0 +1,47 @@
+"""The seed experiment as users run it: the Hydra app, fresh processes, seed.json and traces."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+SEED_KEYS = {"output_tokens", "model_calls", "prefill_calls", "decode_calls", "output_throughput_tok_s",
+             "ttft_s", "e2e_s", "occupancy_at_max", "gap_s"}
+
+
+def run_seed(*overrides, check=True):
+    return subprocess.run([sys.executable, "-m", "experiments.seed", *overrides], capture_output=True, text=True,
+                          check=check, timeout=300)
+
+
+def test_seed_app_on_tiny_model_writes_the_table_and_traces(tmp_path):
+    out = run_seed("model=tiny", f"hydra.run.dir={tmp_path}")
+    data = json.loads((tmp_path / "seed.json").read_text())
+    assert list(data) == ["serial", "static", "continuous"]
+    for name, row in data.items():
+        assert SEED_KEYS <= set(row)
+        assert row["output_tokens"] == 160
+        assert {"mean", "p50", "p99"} <= set(row["ttft_s"]) and {"mean", "p50", "p99"} <= set(row["e2e_s"])
+        assert (tmp_path / row["trace"]).is_file()
+        assert (tmp_path / name / "metrics.json").is_file() and (tmp_path / name / "requests.csv").is_file()
+    assert (data["serial"]["model_calls"], data["serial"]["prefill_calls"], data["serial"]["decode_calls"]) == (160, 16, 144)
+    assert (data["static"]["model_calls"], data["static"]["prefill_calls"], data["static"]["decode_calls"]) == (32, 2, 30)
+    assert data["continuous"]["model_calls"] == 28
+    assert data["serial"]["occupancy_at_max"] == 0.0
+    assert data["continuous"]["occupancy_at_max"] > data["static"]["occupancy_at_max"]
+    assert "continuous" in out.stdout and "out tok/s" in out.stdout
+
+
+@pytest.mark.parametrize("override,message", [
+    ("scheduler.max_num_seq=4", "max_num_seq"),
+    ("scheduler.max_num_seqs=zero", "max_num_seqs"),
+    ("scheduler.max_num_seqs=-2", "must be a positive integer"),
+    ("model.dtype=fp8", "model.dtype must be one of"),
+    ("model=nonexistent", "nonexistent"),
+])
+def test_bad_overrides_fail_clearly(tmp_path, override, message):
+    out = run_seed("model=tiny", override, f"hydra.run.dir={tmp_path}", check=False)
+    assert out.returncode != 0
+    assert message in out.stderr
+    assert not (tmp_path / "seed.json").exists()
