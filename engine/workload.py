@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import csv
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 from engine.request import Request
 
-ARRIVALS = ("burst", "poisson", "gamma", "trace")
-LENGTH_KINDS = ("fixed", "cycle", "uniform", "lognormal")
+ARRIVALS = ("burst", "poisson", "gamma", "trace", "closed_loop")
+LENGTH_KINDS = ("fixed", "cycle", "uniform", "lognormal", "empirical")
 TRACE_COLUMNS = {  # our names, then the Splitwise/Vidur names
     "arrival_s": ("arrival_s", "arrived_at"),
     "prompt_tokens": ("prompt_tokens", "num_prefill_tokens"),
@@ -26,7 +27,9 @@ TRACE_COLUMNS = {  # our names, then the Splitwise/Vidur names
 @dataclass(frozen=True)
 class LengthDist:
     """Token counts: ``fixed`` (value), ``cycle`` (values in turn), ``uniform`` [low, high],
-    ``lognormal`` (median ``value``, shape ``sigma``), clipped to [1, max]."""
+    ``lognormal`` (median ``value``, shape ``sigma``), ``empirical`` (drawn with replacement
+    from ``column`` — prompt_tokens or output_tokens — of the trace CSV at ``path``), clipped to
+    [1, max]."""
 
     kind: str = "fixed"
     value: int = 12
@@ -35,10 +38,16 @@ class LengthDist:
     high: int = 16
     sigma: float = 0.5
     max: int = 1 << 20
+    path: str | None = None
+    column: str = "prompt_tokens"
 
     def __post_init__(self) -> None:
         if self.kind not in LENGTH_KINDS:
             raise ValueError(f"length kind must be one of {LENGTH_KINDS}, got {self.kind!r}")
+        if self.kind == "empirical" and not self.path:
+            raise ValueError("an empirical length distribution needs path (a trace CSV)")
+        if self.kind == "empirical" and self.column not in ("prompt_tokens", "output_tokens"):
+            raise ValueError(f"empirical column must be prompt_tokens or output_tokens, got {self.column!r}")
         if self.kind == "cycle" and not self.values:
             raise ValueError("a cycle length distribution needs values")
         if self.kind == "uniform" and not 1 <= self.low <= self.high:
@@ -53,6 +62,8 @@ class LengthDist:
             out = np.resize(np.asarray(self.values), n)
         elif self.kind == "uniform":
             out = rng.integers(self.low, self.high + 1, n)
+        elif self.kind == "empirical":
+            out = rng.choice(_trace_column(self.path, self.column), n)
         else:
             out = np.rint(rng.lognormal(np.log(self.value), self.sigma, n))
         return np.clip(out, 1, self.max).astype(np.int64)
@@ -63,7 +74,9 @@ class WorkloadConfig:
     """``burst``: all at t=0; ``poisson`` at ``rate`` req/s; ``gamma`` at ``rate`` with
     ``burstiness`` (gamma shape: 1 is Poisson, < 1 burstier); ``trace``: a CSV of
     arrival_s, prompt_tokens, output_tokens whose times are divided by ``time_scale``
-    and lengths multiplied by ``length_scale`` (to fit a CPU)."""
+    and lengths multiplied by ``length_scale`` (to fit a CPU); ``closed_loop``: ``concurrency``
+    clients, each issuing its next request the moment its previous one finishes (arrival times
+    are then decided by the run, not here)."""
 
     arrival: str = "burst"
     num_requests: int = 16
@@ -74,6 +87,7 @@ class WorkloadConfig:
     path: str | None = None
     time_scale: float = 1.0
     length_scale: float = 1.0
+    concurrency: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -85,16 +99,29 @@ class WorkloadConfig:
             raise ValueError("workload.rate, burstiness, time_scale and length_scale must be > 0")
         if self.arrival == "trace" and not self.path:
             raise ValueError("workload.arrival=trace needs workload.path")
+        if self.concurrency < 1:
+            raise ValueError(f"workload.concurrency must be >= 1, got {self.concurrency}")
 
 
 @dataclass(frozen=True)
 class Workload:
+    """Per-request arrays. ``concurrency`` set means closed loop: ``arrival_s`` is all zeros and
+    whoever serves it issues request ``concurrency + k`` when some earlier request finishes."""
+
     arrival_s: np.ndarray
     prompt_tokens: np.ndarray
     output_tokens: np.ndarray
+    concurrency: int | None = None
 
     def __len__(self) -> int:
         return len(self.arrival_s)
+
+
+@lru_cache(maxsize=8)
+def _trace_column(path: str, column: str) -> np.ndarray:
+    """One length column of a trace, read once per process (empirical distributions sample it)."""
+    trace = read_trace(path)
+    return trace.prompt_tokens if column == "prompt_tokens" else trace.output_tokens
 
 
 def read_trace(path: str | Path) -> Workload:
@@ -124,14 +151,15 @@ def generate(cfg: WorkloadConfig) -> Workload:
         scale = lambda x: np.maximum(1, np.rint(x[take] * cfg.length_scale)).astype(np.int64)  # noqa: E731
         return Workload(arrival, np.minimum(scale(trace.prompt_tokens), cfg.prompt.max),
                         np.minimum(scale(trace.output_tokens), cfg.output.max))
-    if cfg.arrival == "burst":
+    if cfg.arrival in ("burst", "closed_loop"):
         arrival = np.zeros(n)
     else:
         shape = 1.0 if cfg.arrival == "poisson" else cfg.burstiness
         gaps = rng.gamma(shape, 1.0 / (cfg.rate * shape), n)
         gaps[0] = 0.0
         arrival = np.cumsum(gaps)
-    return Workload(arrival, cfg.prompt.sample(n, rng), cfg.output.sample(n, rng))
+    concurrency = cfg.concurrency if cfg.arrival == "closed_loop" else None
+    return Workload(arrival, cfg.prompt.sample(n, rng), cfg.output.sample(n, rng), concurrency)
 
 
 def make_requests(workload: Workload, vocab_size: int | None = None, seed: int = 0,

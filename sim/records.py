@@ -1,0 +1,207 @@
+"""What the simulator keeps per finished request, and the run's metrics from it.
+
+Full mode keeps engine.metrics.RequestRecord (every token time), exactly as real runs do, and
+summarizes with engine.metrics.summarize. Compact mode, for runs of a million requests, keeps a
+few numbers per request in typed arrays and streams inter-token latencies into a log-binned
+histogram: TTFT, TPOT, E2E and queue distributions stay exact, ITL mean and std are exact and
+ITL percentiles are within ``ItlSketch.RELATIVE_ERROR``. Both give metrics.json the same keys.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from array import array
+from pathlib import Path
+
+import numpy as np
+
+from engine.metrics import PERCENTILES, REQUEST_COLUMNS, RequestRecord, distribution, summarize
+from engine.request import Request
+
+
+class ItlSketch:
+    """Streaming inter-token latencies: exact count, mean and std; percentiles from log bins."""
+
+    BINS_PER_DECADE = 1000
+    LOW_DECADE, HIGH_DECADE = -9, 6  # 1 ns … 11.6 days
+    RELATIVE_ERROR = 10 ** (0.5 / BINS_PER_DECADE) - 1  # half a bin: 0.12 %
+    FLUSH_AT = 1 << 20
+
+    def __init__(self) -> None:
+        nbins = (self.HIGH_DECADE - self.LOW_DECADE) * self.BINS_PER_DECADE
+        self.counts = np.zeros(nbins + 2, dtype=np.int64)  # [0] zeros and underflow, [-1] overflow
+        self.n = 0
+        self.mean = 0.0
+        self.m2 = 0.0
+        self._times = array("d")  # token times of finished requests, back to back
+        self._ends: list[int] = []  # where each request's times end in _times
+
+    def add_times(self, token_times: list[float]) -> None:
+        if len(token_times) > 1:
+            self._times.extend(token_times)
+            self._ends.append(len(self._times))
+            if len(self._times) >= self.FLUSH_AT:
+                self._flush()
+
+    def _flush(self) -> None:
+        if not self._ends:
+            return
+        times = np.frombuffer(self._times, dtype=np.float64)
+        gaps = np.diff(times)
+        keep = np.ones(len(gaps), dtype=bool)
+        keep[np.asarray(self._ends[:-1], dtype=np.int64) - 1] = False  # gap across two requests
+        gaps = gaps[keep]
+        self._times = array("d")
+        self._ends = []
+        # merge count/mean/M2 (Chan et al.), then histogram
+        n, mean, m2 = len(gaps), float(gaps.mean()), float(((gaps - gaps.mean()) ** 2).sum())
+        total = self.n + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta * delta * self.n * n / total
+        self.n = total
+        with np.errstate(divide="ignore"):
+            idx = np.floor((np.log10(gaps) - self.LOW_DECADE) * self.BINS_PER_DECADE).astype(np.int64) + 1
+        idx = np.clip(np.where(gaps > 0, idx, 0), 0, len(self.counts) - 1)
+        self.counts += np.bincount(idx, minlength=len(self.counts))
+
+    def _value(self, rank: int) -> float:
+        """The rank-th smallest gap (0-based), as the geometric middle of its bin."""
+        i = int(np.searchsorted(np.cumsum(self.counts), rank, side="right"))
+        if i == 0:
+            return 0.0
+        return 10 ** (self.LOW_DECADE + (i - 1 + 0.5) / self.BINS_PER_DECADE)
+
+    def distribution(self) -> dict[str, float]:
+        self._flush()
+        if self.n == 0:
+            return distribution([])
+        out = {"mean": self.mean, "std": math.sqrt(self.m2 / self.n)}
+        for p in PERCENTILES:  # numpy's linear interpolation between the two neighbouring ranks
+            pos = (self.n - 1) * p / 100
+            lo, frac = int(pos), pos - int(pos)
+            a = self._value(lo)
+            out[f"p{p}"] = a if frac == 0 else a + (self._value(lo + 1) - a) * frac
+        return out
+
+
+class RequestLog:
+    """Finished requests of one simulated run."""
+
+    def __init__(self, keep_token_times: bool = True) -> None:
+        self.keep_token_times = keep_token_times
+        self.records: list[RequestRecord] = []
+        self.ids: list[str] = []
+        self.arrival = array("d")
+        self.first_scheduled = array("d")
+        self.first_token = array("d")
+        self.finish = array("d")
+        self.prompt = array("q")
+        self.output = array("q")
+        self.preemptions = array("q")
+        self.statuses: list[str] = []
+        self.itl = ItlSketch()
+
+    def __len__(self) -> int:
+        return len(self.records) if self.keep_token_times else len(self.ids)
+
+    def add(self, request: Request) -> None:
+        if self.keep_token_times:
+            self.records.append(RequestRecord.from_request(request))
+            return
+        times = request.token_times_s
+        self.ids.append(request.request_id)
+        self.arrival.append(request.arrival_s)
+        self.first_scheduled.append(request.first_scheduled_s if request.first_scheduled_s is not None
+                                    else math.nan)
+        self.first_token.append(times[0] if times else math.nan)
+        self.finish.append(times[-1] if times else math.nan)
+        self.prompt.append(request.num_prompt_tokens)
+        self.output.append(len(times))
+        self.preemptions.append(request.num_preemptions)
+        self.statuses.append(request.status.name)
+        self.itl.add_times(times)
+
+    @property
+    def total_output_tokens(self) -> int:
+        if self.keep_token_times:
+            return sum(r.output_tokens for r in self.records)
+        return int(np.frombuffer(self.output, dtype=np.int64).sum()) if self.output else 0
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """Per-request arrays (either mode): arrival, first token, finish, outputs, TTFT, TPOT, E2E."""
+        if self.keep_token_times:
+            rs = self.records
+            arrival = np.array([r.arrival_s for r in rs])
+            first_sched = np.array([r.first_scheduled_s for r in rs])
+            first = np.array([r.token_times_s[0] if r.token_times_s else math.nan for r in rs])
+            finish = np.array([r.finish_s for r in rs])
+            prompt = np.array([r.prompt_tokens for r in rs], dtype=np.int64)
+            output = np.array([len(r.token_times_s) for r in rs], dtype=np.int64)
+            preempt = np.array([r.num_preemptions for r in rs], dtype=np.int64)
+        else:
+            arrival, first_sched, first, finish = (np.frombuffer(a, dtype=np.float64) if a else np.zeros(0)
+                                                   for a in (self.arrival, self.first_scheduled,
+                                                             self.first_token, self.finish))
+            prompt, output, preempt = (np.frombuffer(a, dtype=np.int64) if a else np.zeros(0, np.int64)
+                                       for a in (self.prompt, self.output, self.preemptions))
+        ttft = first - arrival
+        e2e = finish - arrival
+        with np.errstate(invalid="ignore", divide="ignore"):
+            tpot = np.where(output > 1, (e2e - ttft) / np.maximum(output - 1, 1), math.nan)
+        return {"arrival_s": arrival, "first_scheduled_s": first_sched, "first_token_s": first,
+                "finish_s": finish, "prompt_tokens": prompt, "output_tokens": output, "ttft_s": ttft,
+                "tpot_s": tpot, "e2e_s": e2e, "queue_s": first_sched - arrival, "num_preemptions": preempt}
+
+    def summarize(self, duration_s: float | None = None, slo_ttft_s: float | None = None,
+                  slo_tpot_s: float | None = None) -> dict:
+        """engine.metrics.summarize's dict, computed from whichever form was kept."""
+        if self.keep_token_times:
+            return summarize(self.records, duration_s, slo_ttft_s, slo_tpot_s)
+        c = self.columns()
+        done = c["output_tokens"] > 0
+        if duration_s is None:
+            duration_s = float(c["finish_s"][done].max() - c["arrival_s"].min()) if done.any() else 0.0
+        per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: math.nan)
+        good = done.copy()
+        if slo_ttft_s is not None:
+            good &= c["ttft_s"] <= slo_ttft_s
+        if slo_tpot_s is not None:
+            good &= np.isnan(c["tpot_s"]) | (c["tpot_s"] <= slo_tpot_s)
+        out_tokens = int(c["output_tokens"][done].sum())
+        in_tokens = int(c["prompt_tokens"][done].sum())
+        n_done = int(done.sum())
+        return {
+            "completed": n_done,
+            "failed": len(self) - n_done,
+            "duration_s": duration_s,
+            "total_input_tokens": in_tokens,
+            "total_output_tokens": out_tokens,
+            "request_throughput_req_s": per_s(n_done),
+            "output_throughput_tok_s": per_s(out_tokens),
+            "total_token_throughput_tok_s": per_s(out_tokens + in_tokens),
+            "goodput_req_s": per_s(int(good.sum())),
+            "ttft_s": distribution(c["ttft_s"][done].tolist()),
+            "tpot_s": distribution(c["tpot_s"][done].tolist()),
+            "itl_s": self.itl.distribution(),
+            "e2el_s": distribution(c["e2e_s"][done].tolist()),
+            "queue_s": distribution(c["queue_s"][done].tolist()),
+            "num_preemptions": int(c["num_preemptions"].sum()),
+        }
+
+    def write_csv(self, path: Path) -> None:
+        """requests.csv with the real runs' columns; compact mode leaves token_times_s empty."""
+        if self.keep_token_times:
+            from engine.metrics import write_requests_csv
+            write_requests_csv(self.records, path)
+            return
+        c = self.columns()
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(REQUEST_COLUMNS)
+            for i, rid in enumerate(self.ids):
+                w.writerow([rid, c["arrival_s"][i], c["first_scheduled_s"][i], c["first_token_s"][i],
+                            c["finish_s"][i], int(c["prompt_tokens"][i]), int(c["output_tokens"][i]),
+                            c["ttft_s"][i], c["tpot_s"][i], c["e2e_s"][i], c["queue_s"][i],
+                            int(c["num_preemptions"][i]), self.statuses[i], ""])

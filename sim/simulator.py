@@ -1,0 +1,263 @@
+"""The simulator: SimPy processes around the engine's own scheduler and ServingState.
+
+Each replica's engine process mirrors engine.llm_engine.Engine.run step for step: at the step's
+start ``now`` every request that has arrived is added to the state, ``plan =
+scheduler.schedule(state)``, time advances by the timer's duration, and ``state.apply(plan, None,
+start_s=now, end_s=...)`` stamps the tokens. When nothing is runnable the process sleeps on an
+event that the next delivered request fires. Arrivals come from an open-loop process (the
+workload's times) or from closed-loop clients that issue a request whenever one finishes; a
+router picks the replica for each.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import simpy
+from simpy.events import URGENT, Event
+
+from engine.config import SchedulerConfig
+from engine.plan import BatchPlan
+from engine.request import Request
+from engine.scheduler import make_scheduler
+from engine.state import ServingState
+from sim.records import RequestLog
+from sim.router import make_router
+from sim.timing import StepTimer
+
+
+@dataclass(frozen=True)
+class SimStep:
+    """One simulated model call (kept only with ``keep_steps``), like engine's StepRecord."""
+
+    plan: BatchPlan
+    start_s: float
+    end_s: float
+    replica: int = 0
+
+
+@dataclass
+class TimeSeries:
+    """Sampled at every step start, after scheduling: what the step sees."""
+
+    time_s: array = field(default_factory=lambda: array("d"))
+    replica: array = field(default_factory=lambda: array("l"))
+    queue: array = field(default_factory=lambda: array("l"))
+    active: array = field(default_factory=lambda: array("l"))
+    kv_blocks_used: array = field(default_factory=lambda: array("l"))
+
+    COLUMNS = ("time_s", "replica", "queue", "active", "kv_blocks_used")
+
+    def __len__(self) -> int:
+        return len(self.time_s)
+
+    def rows(self) -> Iterable[tuple]:
+        return zip(self.time_s, self.replica, self.queue, self.active, self.kv_blocks_used)
+
+
+@dataclass
+class SimResult:
+    log: RequestLog
+    steps: list[SimStep]
+    timeseries: TimeSeries | None
+    duration_s: float
+    num_steps: int
+    num_replicas: int
+
+    @property
+    def records(self):
+        """engine.metrics.RequestRecord per finished request (``keep_token_times`` runs)."""
+        if not self.log.keep_token_times:
+            raise ValueError("this run kept compact records only (keep_token_times=False)")
+        return self.log.records
+
+    def metrics(self, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> dict:
+        return self.log.summarize(self.duration_s, slo_ttft_s, slo_tpot_s)
+
+    def trace_calls(self) -> list[tuple[str, float, float]]:
+        """(label, start_s, dur_s) per model call, for engine.trace.write_chrome_trace."""
+        return [(s.plan.label, s.start_s, s.end_s - s.start_s) for s in self.steps]
+
+
+class _Delivery(Event):
+    """A timeout at URGENT priority: an arrival at time t is delivered before any engine step
+    that starts at t, as the real engine admits every request with ``arrival_s <= now``."""
+
+    def __init__(self, env: simpy.Environment, delay: float) -> None:
+        super().__init__(env)
+        self._ok = True
+        self._value = None
+        env.schedule(self, URGENT, delay)
+
+
+class Replica:
+    """One engine: its own scheduler and ServingState, an inbox of delivered requests."""
+
+    def __init__(self, index: int, env: simpy.Environment, config: SchedulerConfig, timer: StepTimer,
+                 sim: Simulation) -> None:
+        self.index = index
+        self.env = env
+        self.timer = timer
+        self.sim = sim
+        self.state = ServingState(config)
+        self.scheduler = make_scheduler(config)
+        self.inbox: deque[Request] = deque()
+        self.closed = False  # no more deliveries will come
+        self._wakeup: Event | None = None
+        self.num_steps = 0
+        self.last_end_s = 0.0
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.inbox) + len(self.state.requests)
+
+    def deliver(self, request: Request) -> None:
+        self.inbox.append(request)
+        self._wake()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.succeed()
+            self._wakeup = None
+
+    def run(self):
+        """The engine loop (a SimPy process). Times are carried exactly in ``now``/``end``;
+        ``env.now`` only orders events."""
+        env, state, inbox, timer, sim = self.env, self.state, self.inbox, self.timer, self.sim
+        schedule, apply, add = self.scheduler.schedule, state.apply, state.add
+        timeout = env.timeout
+        steps, series, log = sim.steps, sim.timeseries, sim.log
+        kv, waiting, running, finished_list = state.kv, state.waiting, state.running, state.finished
+        on_finish = sim.on_finish
+        now = env.now
+        while True:
+            start = timer.start(now)
+            if start > now:
+                yield timeout(start - now)
+                now = start
+            while inbox and inbox[0].arrival_s <= now:
+                add(inbox.popleft())
+            plan = schedule(state)
+            if plan is None:
+                if inbox:  # delivered, but a rounding hair ahead of now
+                    later = inbox[0].arrival_s
+                    yield timeout(later - now)
+                    now = later
+                elif self.closed:
+                    return
+                else:
+                    self._wakeup = env.event()
+                    yield self._wakeup
+                    now = max(now, env.now)
+                continue
+            if series is not None:
+                series.time_s.append(now)
+                series.replica.append(self.index)
+                series.queue.append(len(waiting))
+                series.active.append(len(running))
+                series.kv_blocks_used.append(kv.num_blocks - kv.num_free)
+            end, ready = timer.run(plan, now)
+            yield timeout(end - now)
+            finished = apply(plan, None, now, end)
+            self.num_steps += 1
+            self.last_end_s = end
+            if steps is not None:
+                steps.append(SimStep(plan, now, end, self.index))
+            if finished:
+                finished_list.clear()  # the log keeps what is needed; drop the Request objects
+                for request in finished:
+                    log.add(request)
+                if on_finish is not None:
+                    on_finish(len(finished), end)
+            if ready > end:
+                yield timeout(ready - end)
+            now = ready
+
+
+class Simulation:
+    """Wires replicas, a router and an arrival source into one SimPy environment."""
+
+    def __init__(self, config: SchedulerConfig, make_timer: Callable[[], StepTimer], num_replicas: int = 1,
+                 router: str = "round_robin", keep_steps: bool = False, timeseries: bool = False,
+                 keep_token_times: bool = True) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        self.env = simpy.Environment()
+        self.router = make_router(router)
+        self.steps: list[SimStep] | None = [] if keep_steps else None
+        self.timeseries = TimeSeries() if timeseries else None
+        self.log = RequestLog(keep_token_times)
+        self.on_finish: Callable[[int, float], None] | None = None
+        self.replicas = [Replica(i, self.env, config, make_timer(), self) for i in range(num_replicas)]
+
+    def _dispatch(self, request: Request) -> None:
+        self.replicas[self.router.pick(self.replicas)].deliver(request)
+
+    def _close(self) -> None:
+        for replica in self.replicas:
+            replica.close()
+
+    def _open_loop(self, requests: Sequence[Request]):
+        env = self.env
+        for request in requests:
+            delay = request.arrival_s - env.now
+            if delay > 0:
+                yield _Delivery(env, delay)
+            self._dispatch(request)
+        self._close()
+
+    def _closed_loop(self, requests: Sequence[Request], concurrency: int) -> None:
+        """``concurrency`` clients: each finish issues the next request at the finish time."""
+        pending = deque(requests)
+
+        def issue(count: int, now: float) -> None:
+            for _ in range(min(count, len(pending))):
+                request = pending.popleft()
+                request.arrival_s = now
+                self._dispatch(request)
+            if not pending:
+                self._close()
+
+        issue(concurrency, 0.0)
+        if pending:
+            self.on_finish = issue
+
+    def run(self, requests: Iterable[Request], concurrency: int | None = None) -> SimResult:
+        """Serve every request; ``concurrency`` set means closed loop (arrival times are ignored)."""
+        requests = list(requests)
+        if len({r.request_id for r in requests}) != len(requests):
+            raise ValueError("request ids in one run must be unique")
+        for request in requests:  # fail up front, as Engine.run does
+            self.replicas[0].state.validate(request)
+        if concurrency is None:
+            requests.sort(key=lambda r: r.arrival_s)
+            self.env.process(self._open_loop(requests))
+        else:
+            self._closed_loop(requests, concurrency)
+        for replica in self.replicas:
+            self.env.process(replica.run())
+        self.env.run()
+        stuck = [r for rep in self.replicas for r in (*rep.state.waiting, *rep.state.running, *rep.inbox)]
+        if stuck:
+            raise RuntimeError(f"{len(stuck)} requests were never served (e.g. {stuck[0].request_id})")
+        return SimResult(
+            log=self.log,
+            steps=self.steps if self.steps is not None else [],
+            timeseries=self.timeseries,
+            duration_s=max((rep.last_end_s for rep in self.replicas), default=0.0),
+            num_steps=sum(rep.num_steps for rep in self.replicas),
+            num_replicas=len(self.replicas),
+        )
+
+
+def simulate(requests: Iterable[Request], config: SchedulerConfig, make_timer: Callable[[], StepTimer],
+             concurrency: int | None = None, **options) -> SimResult:
+    """One simulated run; ``options`` are Simulation's (num_replicas, router, keep_steps, ...)."""
+    return Simulation(config, make_timer, **options).run(requests, concurrency)

@@ -1,0 +1,90 @@
+"""The spine: the real engine loop (tiny model) and the simulator make the same plans and, fed the
+real run's measured steps, stamp every token at the same time."""
+
+from dataclasses import replace
+
+import pytest
+
+from calibration.cost_model import CostModel
+from engine.config import ModelConfig, SchedulerConfig
+from engine.llm_engine import Engine
+from engine.workload import LengthDist, WorkloadConfig, generate, make_requests
+from sim import CostModelTimer, ReplayDivergedError, ReplayTimer, simulate
+
+POISSON = WorkloadConfig(arrival="poisson", num_requests=24, rate=400.0, seed=3,
+                         prompt=LengthDist(kind="uniform", low=4, high=40),
+                         output=LengthDist(kind="uniform", low=1, high=12))
+BURST = WorkloadConfig()  # the seed's burst: 16 × (12-token prompt, 4/16/8/12 outputs)
+CONFIGS = {
+    "serial": SchedulerConfig(name="serial", max_num_seqs=4),
+    "static": SchedulerConfig(name="static", max_num_seqs=4),
+    "continuous": SchedulerConfig(name="continuous", max_num_seqs=4, max_num_batched_tokens=24,
+                                  long_prefill_token_threshold=8),
+    # so few KV blocks that running requests get preempted and recomputed
+    "continuous_preempting": SchedulerConfig(name="continuous", max_num_seqs=6, max_num_batched_tokens=32,
+                                             long_prefill_token_threshold=16, num_kv_blocks=8, block_size=8,
+                                             max_model_len=64),
+}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    cache = {}
+
+    def get(name: str) -> Engine:
+        if name not in cache:
+            cache[name] = Engine(CONFIGS[name], ModelConfig(name="tiny"))
+        else:
+            cache[name].reset()
+        return cache[name]
+    return get
+
+
+def real_run(engine: Engine, workload: WorkloadConfig):
+    wl = generate(workload)
+    return engine.run(make_requests(wl, vocab_size=engine.runner.vocab_size, seed=workload.seed))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_replaying_measured_steps_reproduces_plans_and_token_times(engines, name):
+    real = real_run(engines(name), POISSON)
+    sim = simulate(make_requests(generate(POISSON)), CONFIGS[name], lambda: ReplayTimer(real.steps), keep_steps=True)
+    assert [s.plan for s in sim.steps] == [s.plan for s in real.steps]
+    assert [(s.start_s, s.end_s) for s in sim.steps] == [(s.start_s, s.end_s) for s in real.steps]
+    real_by_id = {r.request_id: r for r in real.records}
+    assert len(sim.records) == len(real_by_id) == POISSON.num_requests
+    for rec in sim.records:
+        ref = real_by_id[rec.request_id]
+        assert rec.output_tokens == ref.output_tokens and rec.num_preemptions == ref.num_preemptions
+        assert abs(rec.first_scheduled_s - ref.first_scheduled_s) <= 1e-9
+        assert len(rec.token_times_s) == len(ref.token_times_s)
+        assert max(abs(a - b) for a, b in zip(rec.token_times_s, ref.token_times_s)) <= 1e-9
+    sm, rm = sim.metrics(), real.metrics()
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2el_s"):
+        for stat, value in rm[key].items():
+            assert sm[key][stat] == pytest.approx(value, abs=1e-9), (key, stat)
+    if name == "continuous_preempting":
+        assert sum(r.num_preemptions for r in sim.records) > 0  # the test really covers preemption
+    if name == "continuous":
+        # arrivals really interleaved with steps: some step ran while later requests had not arrived
+        last_arrival = max(r.arrival_s for r in sim.records)
+        assert sum(s.start_s < last_arrival for s in real.steps) > 3
+
+
+@pytest.mark.parametrize("name", ["serial", "static", "continuous", "continuous_preempting"])
+def test_cost_model_gives_the_real_plans_for_a_burst(engines, name):
+    workload = replace(BURST, prompt=LengthDist(kind="uniform", low=4, high=40), seed=1)
+    real = real_run(engines(name), workload)
+    cost = CostModel((1e-3, 2e-6, 3e-5, 1e-8, 1e-9, 1e-6), step_overhead_s=2e-4)
+    sim = simulate(make_requests(generate(workload)), CONFIGS[name], lambda: CostModelTimer(cost), keep_steps=True)
+    assert [s.plan for s in sim.steps] == [s.plan for s in real.steps]
+    # and the simulated clock is the cost model's: each call lasts predict(plan)
+    for s in sim.steps:
+        assert s.end_s - s.start_s == pytest.approx(cost.predict(s.plan), rel=1e-12)
+
+
+def test_replay_reports_where_a_run_diverges(engines):
+    real = real_run(engines("continuous"), POISSON)
+    other = replace(CONFIGS["continuous"], max_num_seqs=3)
+    with pytest.raises(ReplayDivergedError, match="step"):
+        simulate(make_requests(generate(POISSON)), other, lambda: ReplayTimer(real.steps))
