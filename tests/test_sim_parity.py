@@ -8,6 +8,7 @@ import pytest
 from calibration.cost_model import CostModel
 from engine.config import ModelConfig, SchedulerConfig
 from engine.llm_engine import Engine
+from engine.model_runner import ModelRunner
 from engine.workload import LengthDist, WorkloadConfig, generate, make_requests
 from sim import CostModelTimer, ReplayDivergedError, ReplayTimer, simulate
 
@@ -29,14 +30,12 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def engines():
-    cache = {}
+    """One loaded tiny model (its KV slots fit every config here), a fresh engine per run."""
+    runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=8))
+    Engine(SchedulerConfig(max_num_seqs=8), runner.model_config, runner=runner).warmup()
 
     def get(name: str) -> Engine:
-        if name not in cache:
-            cache[name] = Engine(CONFIGS[name], ModelConfig(name="tiny"))
-        else:
-            cache[name].reset()
-        return cache[name]
+        return Engine(CONFIGS[name], runner.model_config, runner=runner)
     return get
 
 

@@ -1,0 +1,91 @@
+"""Library side of ``python -m experiments.simulate``: load the cost model, run, write the files."""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from calibration.cost_model import CostModel
+from engine.config import ModelConfig, SchedulerConfig
+from engine.metrics import write_metrics_json
+from engine.trace import summarize_trace, write_chrome_trace
+from engine.workload import WorkloadConfig
+from sim import workload_requests
+from sim.capacity import CapacityResult, search_capacity
+from sim.simulator import SimResult, TimeSeries, simulate
+from sim.timing import CostModelTimer
+
+
+class MissingProfileError(ValueError):
+    """The simulator has no step costs without a calibration profile, and never invents them."""
+
+
+def load_cost_model(profile: str | None, model: ModelConfig | None = None) -> CostModel:
+    """The profile's cost model; with ``model`` given, refuse a profile measured for another model."""
+    if not profile:
+        raise MissingProfileError(
+            "no calibration profile: the simulator needs measured step costs. Run "
+            "`python -m experiments.calibrate model=... hydra.run.dir=DIR` and pass "
+            "calibration.profile=DIR/profile.json")
+    if not Path(profile).is_file():
+        raise MissingProfileError(f"calibration.profile={profile} does not exist")
+    expect = None
+    if model is not None:
+        from engine.model_loader import config_fingerprint  # reads the model's config; torch is imported
+        expect = config_fingerprint(model)
+    return CostModel.load(profile, expect_fingerprint=expect)
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    replicas: int = 1
+    router: str = "round_robin"
+    keep_token_times: bool = True
+    trace: bool = True
+    timeseries: bool = True
+
+
+def run_workload(cost: CostModel, scheduler: SchedulerConfig, workload: WorkloadConfig,
+                 options: SimOptions = SimOptions()) -> SimResult:
+    requests, concurrency = workload_requests(workload)
+    return simulate(requests, scheduler, lambda: CostModelTimer(cost), concurrency=concurrency,
+                    num_replicas=options.replicas, router=options.router, keep_steps=options.trace,
+                    timeseries=options.timeseries, keep_token_times=options.keep_token_times)
+
+
+def write_timeseries_csv(series: TimeSeries, path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(TimeSeries.COLUMNS)
+        w.writerows(series.rows())
+
+
+def write_outputs(result: SimResult, out_dir: Path, max_num_seqs: int, slo_ttft_s: float | None = None,
+                  slo_tpot_s: float | None = None) -> dict:
+    """metrics.json and requests.csv (real runs' keys), trace JSON per replica, timeseries.csv,
+    and sim.json (what only a simulation knows: steps, replicas, each trace's summary)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    metrics = result.metrics(slo_ttft_s, slo_tpot_s)
+    write_metrics_json(metrics, out_dir / "metrics.json")
+    result.log.write_csv(out_dir / "requests.csv")
+    info: dict = {"num_steps": result.num_steps, "num_replicas": result.num_replicas, "traces": {}}
+    if result.steps:
+        for i in range(result.num_replicas):
+            name = "trace.json" if result.num_replicas == 1 else f"trace_replica{i}.json"
+            write_chrome_trace(((s.plan.label, s.start_s, s.end_s - s.start_s) for s in result.steps
+                                if s.replica == i), out_dir / name, process_name=f"miniserve-sim-{i}")
+            info["traces"][name] = summarize_trace(out_dir / name, max_num_seqs).to_dict()
+    if result.timeseries is not None:
+        write_timeseries_csv(result.timeseries, out_dir / "timeseries.csv")
+    (out_dir / "sim.json").write_text(json.dumps(info, indent=2) + "\n")
+    return metrics
+
+
+def find_capacity(cost: CostModel, scheduler: SchedulerConfig, workload: WorkloadConfig, low: float,
+                  high: float, slo_ttft_p99_s: float | None, slo_tpot_p99_s: float | None,
+                  rel_tol: float = 0.02, options: SimOptions = SimOptions()) -> CapacityResult:
+    quick = replace(options, keep_token_times=False, trace=False, timeseries=False)
+    return search_capacity(lambda wl: run_workload(cost, scheduler, wl, quick).metrics(), workload, low, high,
+                           slo_ttft_p99_s, slo_tpot_p99_s, rel_tol)
