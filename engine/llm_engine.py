@@ -66,6 +66,13 @@ class Engine:
         self.validate(request)
         self.state.add(request)
 
+    def abort(self, request_id: str, now_s: float = 0.0) -> Request | None:
+        """Cancel a request wherever it is (its client went away) and return its KV slot now,
+        so the next iteration can give the space to someone else. None if it is not in flight."""
+        request = self.state.abort(request_id, now_s)
+        self.runner.free([request_id])
+        return request
+
     def step(self, start_s: float, clock) -> StepRecord | None:
         """One iteration, or None when nothing is runnable."""
         plan = self.scheduler.schedule(self.state)
