@@ -1,0 +1,274 @@
+"""The engine loop in its own thread, beside an asyncio HTTP layer.
+
+Only this thread touches the Engine. Requests and cancellations reach it through a thread-safe
+inbox that is drained between iterations, so a request joins at the next step boundary; tokens
+go back to each request's asyncio queue with ``loop.call_soon_threadsafe``. Admission is bounded:
+past ``max_waiting`` queued requests ``submit`` raises ``QueueFull`` instead of letting the
+queue grow without limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.llm_engine import Engine, StepRecord
+from engine.request import Request, RequestStatus
+
+log = logging.getLogger("miniserve.engine")
+
+clock = time.perf_counter  # CLOCK_MONOTONIC on Linux: comparable across processes on one host
+
+FINISH_REASONS = {RequestStatus.FINISHED_LENGTH: "length", RequestStatus.FINISHED_STOPPED: "stop",
+                  RequestStatus.FINISHED_ABORTED: "abort"}
+
+# Step times on CPU run from ~1 ms (tiny model) to seconds (0.5B prefill): millisecond buckets.
+STEP_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound; the caller should answer 429."""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Tokens one iteration produced for one request; ``finish_reason`` set on its last event.
+    ``error`` set instead when the engine refused or failed the request."""
+
+    token_ids: tuple[int, ...] = ()
+    token_times_s: tuple[float, ...] = ()
+    finish_reason: str | None = None
+    error: str | None = None
+    first_scheduled_s: float | None = None
+
+
+class RequestSink:
+    """Where the engine thread delivers one request's events: an asyncio queue on the HTTP loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+    def put(self, event: TokenEvent) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the HTTP loop is closed: nobody is listening any more
+            pass
+
+
+@dataclass
+class Histogram:
+    """A cumulative Prometheus histogram (only the engine thread observes)."""
+
+    buckets: tuple[float, ...] = STEP_BUCKETS_S
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        for i, upper in enumerate(self.buckets):
+            if value <= upper:
+                self.counts[i] += 1
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges for /metrics; written by the engine thread, read by the HTTP layer."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    kv_slots_used: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: int = 0
+    aborted: int = 0
+    failed: int = 0
+    steps_by_phase: dict[str, int] = field(default_factory=dict)
+    step_s: Histogram = field(default_factory=Histogram)
+    model_s: Histogram = field(default_factory=Histogram)
+
+
+@dataclass
+class _Live:
+    request: Request
+    sink: RequestSink
+    sent: int = 0
+
+
+_STOP = object()
+
+
+class EngineThread:
+    """Builds the engine (and warms it up) in a daemon thread, then serves its inbox forever."""
+
+    def __init__(self, build: Callable[[], Engine], max_waiting: int, keep_steps: bool = False) -> None:
+        if max_waiting < 1:
+            raise ValueError(f"server.max_waiting must be >= 1, got {max_waiting}")
+        self._build = build
+        self.max_waiting = max_waiting
+        self.keep_steps = keep_steps
+        self.steps: list[StepRecord] = []  # only with keep_steps (the seed's trace), else unbounded
+        self.engine: Engine | None = None
+        self.ready = threading.Event()
+        self.error: str | None = None
+        self.stats = EngineStats()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._queued = 0  # submitted, not yet drained into the engine
+        self._live: dict[str, _Live] = {}
+        self._thread = threading.Thread(target=self._main, name="miniserve-engine", daemon=True)
+
+    # --- called from the HTTP side -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready.is_set() and self.error is None and self._thread.is_alive()
+
+    def submit(self, request: Request, sink: RequestSink) -> None:
+        """Queue a validated request, or raise QueueFull past the bound."""
+        with self._lock:
+            if self._queued + self.stats.num_waiting >= self.max_waiting:
+                raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)")
+            self._queued += 1
+            self._inbox.put((request, sink))
+
+    def abort(self, request_id: str) -> None:
+        """Cancel at the next iteration boundary (no-op if it already finished)."""
+        self._inbox.put(request_id)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Cancel whatever is still in flight and end the thread."""
+        self._inbox.put(_STOP)
+        self._thread.join(timeout_s)
+
+    # --- the engine thread ---------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.engine = self._build()
+        except Exception as exc:  # noqa: BLE001 - reported through /health and the log
+            log.exception("engine failed to start")
+            self.error = f"engine failed to start: {exc}"
+            return
+        cfg = self.engine.scheduler_config
+        self.stats.kv_blocks_total = cfg.num_kv_blocks
+        self.ready.set()
+        log.info("engine ready: scheduler=%s max_num_seqs=%d", cfg.name, cfg.max_num_seqs)
+        try:
+            while self._drain(block=not self.engine.state.has_unfinished):
+                if self.engine.state.has_unfinished:
+                    self._step()
+        except Exception as exc:  # noqa: BLE001 - a bug in the loop must not hang clients
+            log.exception("engine loop failed")
+            self.error = f"engine loop failed: {exc}"
+        self._cancel_all("server shutting down" if self.error is None else self.error)
+
+    def _drain(self, block: bool) -> bool:
+        """Apply every pending arrival and cancellation; False once asked to stop."""
+        engine = self.engine
+        drained = 0
+        keep_going = True
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                if item is _STOP:
+                    keep_going = False
+                elif isinstance(item, str):
+                    self._abort(item)
+                else:
+                    drained += 1
+                    self._add(*item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            self._queued -= drained
+            self._publish_gauges()
+        return keep_going
+
+    def _add(self, request: Request, sink: RequestSink) -> None:
+        try:
+            self.engine.add_request(request)
+        except ValueError as exc:  # the HTTP layer validated already; this is the last word
+            sink.put(TokenEvent(finish_reason="error", error=str(exc)))
+            self.stats.failed += 1
+            return
+        self._live[request.request_id] = _Live(request, sink)
+        self.stats.prompt_tokens += request.num_prompt_tokens
+
+    def _abort(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        self.engine.abort(request_id, clock())
+        self.stats.aborted += 1
+        live.sink.put(TokenEvent(finish_reason="abort"))
+
+    def _step(self) -> None:
+        engine = self.engine
+        record = engine.step(clock(), clock)
+        if record is None:  # unfinished work that cannot run yet; wait for the inbox
+            time.sleep(0.001)
+            return
+        stats = self.stats
+        stats.step_s.observe(record.end_s - record.start_s)
+        stats.model_s.observe(record.model_s)
+        stats.steps_by_phase[record.plan.phase] = stats.steps_by_phase.get(record.plan.phase, 0) + 1
+        if self.keep_steps:
+            self.steps.append(record)
+        for request_id, sampled in zip(record.plan.request_ids, record.plan.samples):
+            live = self._live.get(request_id) if sampled else None
+            if live is not None:
+                self._deliver(live)
+        engine.state.finished.clear()  # the server keeps no history: records live with clients
+        with self._lock:
+            self._publish_gauges()
+
+    def _deliver(self, live: _Live) -> None:
+        request = live.request
+        new = tuple(request.output_token_ids[live.sent:])
+        times = tuple(request.token_times_s[live.sent:])
+        live.sent = request.num_output_tokens
+        self.stats.generation_tokens += len(new)
+        finish = FINISH_REASONS.get(request.status) if request.status.is_finished else None
+        first = request.first_scheduled_s if live.sent == len(new) else None
+        live.sink.put(TokenEvent(new, times, finish, first_scheduled_s=first))
+        if finish is not None:
+            del self._live[request.request_id]
+            self.stats.finished += 1
+
+    def _publish_gauges(self) -> None:
+        engine, stats = self.engine, self.stats
+        stats.num_waiting = len(engine.state.waiting)
+        stats.num_running = len(engine.state.running)
+        stats.kv_blocks_used = engine.state.kv.num_used
+        stats.kv_slots_used = len(engine.runner._slot_of)
+
+    def _cancel_all(self, reason: str) -> None:
+        for request_id in list(self._live):
+            live = self._live.pop(request_id)
+            if self.engine is not None and self.error is None:
+                self.engine.abort(request_id, clock())
+            self.stats.aborted += 1
+            live.sink.put(TokenEvent(finish_reason="abort", error=reason))
+        # anything still in the inbox was accepted but never started: tell its client
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, tuple):
+                item[1].put(TokenEvent(finish_reason="abort", error=reason))
