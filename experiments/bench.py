@@ -1,0 +1,50 @@
+"""Benchmark a running server: ``python -m experiments.bench bench.url=http://127.0.0.1:8000
+workload.arrival=poisson workload.rate=4 workload.num_requests=200 [bench.max_concurrency=8]``
+(also the ``miniserve-bench`` console script). Writes requests.csv, metrics.json and
+http_requests.csv into the Hydra run dir and prints vLLM's summary table."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+
+from engine.bench_client import BenchConfig, fetch_model_info, format_summary, run_bench, write_outputs
+from engine.workload import WorkloadConfig, generate, make_requests
+from experiments.schema import register, to_object
+
+
+@dataclass
+class BenchApp:
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+
+
+register("bench_schema", BenchApp)
+
+
+def bench(app: BenchApp, out_dir: Path) -> dict:
+    info = asyncio.run(fetch_model_info(app.bench.url))
+    workload = app.workload
+    requests = make_requests(generate(workload), vocab_size=info["vocab_size"], seed=workload.seed, prefix="bench")
+    result = asyncio.run(run_bench(requests, app.bench, model=info["id"]))
+    write_outputs(result, out_dir)
+    return result.metrics
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="bench")
+def main(cfg) -> None:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    app: BenchApp = to_object(cfg)
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    metrics = bench(app, out_dir)
+    print(format_summary(metrics))
+    print(f"wrote {out_dir / 'metrics.json'}")
+
+
+if __name__ == "__main__":
+    main()
