@@ -1,0 +1,194 @@
+"""The simulator on its own: seed call counts, exact hand-computed metrics, conservation at any
+rate, replicas and routers, closed loop, compact records, capacity search."""
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from calibration.cost_model import CostModel
+from engine.config import SchedulerConfig
+from engine.request import Request
+from engine.trace import summarize_trace, write_chrome_trace
+from engine.workload import LengthDist, WorkloadConfig, generate, make_requests
+from sim import ConstantTimer, CostModelTimer, simulate, workload_requests
+from sim.capacity import search_capacity
+from tests.helpers import create_requests, drain
+
+SEED_CALLS = {"serial": (160, 16, 144), "static": (32, 2, 30), "continuous": (28, None, None)}
+
+
+@pytest.mark.parametrize("name", ["serial", "static", "continuous"])
+def test_seed_burst_call_counts_match_the_engine_through_the_trace(tmp_path, name):
+    config = SchedulerConfig(name=name, max_num_seqs=8)
+    sim = simulate(create_requests(16), config, lambda: ConstantTimer(0.01), keep_steps=True)
+    plans, _ = drain(config, create_requests(16))  # the pure policy the engine's loop is tested against
+    assert [s.plan for s in sim.steps] == plans
+    write_chrome_trace(sim.trace_calls(), tmp_path / "trace.json")
+    summary = summarize_trace(tmp_path / "trace.json", max_num_seqs=8)
+    calls, prefills, decodes = SEED_CALLS[name]
+    assert summary.model_calls == calls == sim.num_steps
+    if prefills is not None:
+        assert (summary.prefill_calls, summary.decode_calls) == (prefills, decodes)
+    assert sim.metrics()["total_output_tokens"] == 160
+    assert set(summary.calls_by_label) == {p.label for p in plans}
+
+
+def one_request(arrival_s: float = 0.0) -> list[Request]:
+    return [Request("only", range(10), 5, arrival_s=arrival_s)]
+
+
+def test_one_request_constant_cost_gives_exact_metrics():
+    sim = simulate(one_request(), SchedulerConfig(name="serial"), lambda: ConstantTimer(0.1))
+    (rec,) = sim.records
+    assert rec.token_times_s == pytest.approx((0.1, 0.2, 0.3, 0.4, 0.5), abs=1e-12)
+    m = sim.metrics()
+    assert m["completed"] == 1 and m["failed"] == 0
+    assert m["duration_s"] == pytest.approx(0.5)
+    assert m["ttft_s"]["p50"] == pytest.approx(0.1) and m["ttft_s"]["p99"] == pytest.approx(0.1)
+    assert m["tpot_s"]["mean"] == pytest.approx(0.1) and m["itl_s"]["p99"] == pytest.approx(0.1)
+    assert m["e2el_s"]["mean"] == pytest.approx(0.5)
+    assert m["output_throughput_tok_s"] == pytest.approx(10.0)
+    assert m["total_token_throughput_tok_s"] == pytest.approx(30.0)
+    assert m["queue_s"]["mean"] == 0.0
+
+
+def test_idle_engine_waits_for_the_arrival_and_cost_model_adds_overhead_between_calls():
+    # call = const 0.1 s + 0.01 s per prefill token; then 0.05 s outside the call before the next step
+    cost = CostModel((0.1, 0.01, 0.0, 0.0, 0.0, 0.0), step_overhead_s=0.05)
+    sim = simulate(one_request(arrival_s=2.0), SchedulerConfig(name="continuous"), lambda: CostModelTimer(cost))
+    (rec,) = sim.records
+    # prefill 10 tokens: 0.2 s; then 4 decodes of 0.1 s, each after 0.05 s of overhead
+    assert rec.first_scheduled_s == 2.0
+    assert rec.token_times_s == pytest.approx((2.2, 2.35, 2.5, 2.65, 2.8), abs=1e-12)
+    m = sim.metrics()
+    assert m["ttft_s"]["mean"] == pytest.approx(0.2)
+    assert m["tpot_s"]["mean"] == pytest.approx(0.15)
+    assert m["e2el_s"]["mean"] == pytest.approx(0.8)
+
+
+SCHEDULERS = st.sampled_from([
+    SchedulerConfig(name="serial", max_num_seqs=4),
+    SchedulerConfig(name="static", max_num_seqs=4),
+    SchedulerConfig(name="continuous", max_num_seqs=4, max_num_batched_tokens=32, long_prefill_token_threshold=8),
+    SchedulerConfig(name="continuous", max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=16,
+                    num_kv_blocks=12, block_size=8, max_model_len=96),  # preempts
+])
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=SCHEDULERS, rate=st.floats(0.01, 1e5), n=st.integers(1, 40), seed=st.integers(0, 1000),
+       arrival=st.sampled_from(["poisson", "gamma", "burst", "closed_loop"]), replicas=st.integers(1, 3),
+       router=st.sampled_from(["round_robin", "least_outstanding"]), compact=st.booleans())
+def test_nothing_is_lost_at_any_rate(config, rate, n, seed, arrival, replicas, router, compact):
+    workload = WorkloadConfig(arrival=arrival, num_requests=n, rate=rate, burstiness=0.3, concurrency=3, seed=seed,
+                              prompt=LengthDist(kind="uniform", low=1, high=40),
+                              output=LengthDist(kind="uniform", low=1, high=24))
+    requests, concurrency = workload_requests(workload)
+    wanted = {r.request_id: r.max_tokens for r in requests}
+    sim = simulate(requests, config, lambda: CostModelTimer(CostModel((1e-3, 1e-5, 1e-4, 1e-7, 1e-8, 1e-5), 1e-4)),
+                   concurrency=concurrency, num_replicas=replicas, router=router, keep_token_times=not compact,
+                   timeseries=True)
+    m = sim.metrics()
+    assert m["completed"] == n and m["failed"] == 0
+    assert m["total_output_tokens"] == sum(wanted.values())
+    cols = sim.log.columns()
+    assert (cols["ttft_s"] > 0).all() and (cols["queue_s"] >= 0).all()
+    assert (cols["finish_s"] >= cols["first_token_s"]).all()
+    if not compact:
+        assert {r.request_id: r.output_tokens for r in sim.records} == wanted
+        for r in sim.records:
+            assert list(r.token_times_s) == sorted(r.token_times_s)
+    ts = sim.timeseries
+    assert len(ts) == sim.num_steps
+    assert max(ts.active) <= config.max_num_seqs and max(ts.kv_blocks_used) <= config.num_kv_blocks
+    if concurrency is not None:  # never more than `concurrency` requests outstanding
+        assert max(q + a for q, a in zip(ts.queue, ts.active)) <= concurrency
+
+
+def test_compact_records_give_the_same_metrics():
+    workload = WorkloadConfig(arrival="poisson", num_requests=300, rate=30.0, seed=2,
+                              prompt=LengthDist(kind="lognormal", value=64, sigma=0.5, max=512),
+                              output=LengthDist(kind="lognormal", value=32, sigma=0.5, max=128))
+    config = SchedulerConfig(name="continuous", max_num_seqs=16)
+    cost = CostModel((2e-3, 1e-5, 2e-4, 1e-7, 1e-8, 1e-5), 1e-4)
+    full = simulate(make_requests(generate(workload)), config, lambda: CostModelTimer(cost)).metrics(0.5, 0.01)
+    compact = simulate(make_requests(generate(workload)), config, lambda: CostModelTimer(cost),
+                       keep_token_times=False).metrics(0.5, 0.01)
+    assert full.keys() == compact.keys()
+    for key, value in full.items():
+        if key == "itl_s":  # streamed: exact mean/std, percentiles within a log bin
+            assert compact[key]["mean"] == pytest.approx(value["mean"], rel=1e-9)
+            assert compact[key]["std"] == pytest.approx(value["std"], rel=1e-6)
+            for p in ("p50", "p90", "p99"):
+                assert compact[key][p] == pytest.approx(value[p], rel=3e-3)
+        else:
+            assert compact[key] == pytest.approx(value, rel=1e-9), key
+
+
+def test_round_robin_alternates_and_least_outstanding_avoids_the_busy_replica():
+    config = SchedulerConfig(name="serial")
+    burst = [Request(f"r{i}", range(4), 3) for i in range(6)]
+    rr = simulate(burst, config, lambda: ConstantTimer(0.1), num_replicas=2, keep_steps=True)
+    served_by = {s.plan.request_ids[0]: s.replica for s in rr.steps}
+    assert served_by == {f"r{i}": i % 2 for i in range(6)}
+    assert rr.duration_s == pytest.approx(0.9)  # 3 requests × 3 calls per replica, in parallel
+    # one long request lands on replica 0; the next ones, while it runs, all go to replica 1
+    # under least_outstanding but alternate under round robin
+    reqs = lambda: [Request("long", range(4), 50)] + [Request(f"s{i}", range(4), 1, arrival_s=0.5 + i) for i in range(4)]  # noqa: E731
+    lo = simulate(reqs(), config, lambda: ConstantTimer(0.1), num_replicas=2, router="least_outstanding",
+                  keep_steps=True)
+    assert {s.plan.request_ids[0]: s.replica for s in lo.steps} == {"long": 0, **{f"s{i}": 1 for i in range(4)}}
+    rr2 = simulate(reqs(), config, lambda: ConstantTimer(0.1), num_replicas=2, keep_steps=True)
+    assert {s.plan.request_ids[0]: s.replica for s in rr2.steps}["s0"] == 1
+    assert {s.plan.request_ids[0]: s.replica for s in rr2.steps}["s1"] == 0
+    assert lo.metrics()["ttft_s"]["p99"] < rr2.metrics()["ttft_s"]["p99"]
+
+
+def test_closed_loop_issues_the_next_request_when_one_finishes():
+    workload = WorkloadConfig(arrival="closed_loop", num_requests=6, concurrency=2,
+                              prompt=LengthDist(value=4), output=LengthDist(kind="fixed", value=3))
+    requests, concurrency = workload_requests(workload)
+    assert concurrency == 2
+    sim = simulate(requests, SchedulerConfig(name="serial"), lambda: ConstantTimer(0.1), concurrency=concurrency)
+    by_id = {r.request_id: r for r in sim.records}
+    # serial: two clients, one engine, each request 3 calls; requests 2.. arrive as earlier ones finish
+    assert [by_id[f"req-{i}"].arrival_s for i in range(6)] == pytest.approx([0, 0, 0.3, 0.6, 0.9, 1.2])
+    assert [by_id[f"req-{i}"].finish_s for i in range(6)] == pytest.approx([0.3, 0.6, 0.9, 1.2, 1.5, 1.8])
+
+
+def serial_capacity_run(wl: WorkloadConfig) -> dict:
+    requests, _ = workload_requests(wl)
+    return simulate(requests, SchedulerConfig(name="serial"), lambda: ConstantTimer(0.01),
+                    keep_token_times=False).metrics()
+
+
+def test_capacity_search_brackets_the_highest_rate_meeting_the_slo():
+    # serial, 10 calls of 10 ms per request: saturates at 10 req/s; a 0.3 s p99 TTFT holds well below
+    workload = WorkloadConfig(arrival="poisson", num_requests=400, seed=5, prompt=LengthDist(value=8),
+                              output=LengthDist(kind="fixed", value=10))
+    found = search_capacity(serial_capacity_run, workload, low=0.5, high=50.0, slo_ttft_p99_s=0.3, rel_tol=0.01)
+    assert 2.0 < found.rate < 10.0
+    assert serial_capacity_run(workload.__class__(**{**workload.__dict__, "rate": found.rate}))["ttft_s"]["p99"] <= 0.3
+    failing = [p.rate for p in found.probes if not p.ok]
+    assert min(failing) <= found.rate * 1.011  # a failing probe just above: the answer is tight
+    assert all(p.ok == (p.ttft_p99_s <= 0.3) for p in found.probes)
+
+
+def test_capacity_search_edges_and_bad_arguments():
+    workload = WorkloadConfig(arrival="poisson", num_requests=50, prompt=LengthDist(value=8),
+                              output=LengthDist(kind="fixed", value=10))
+    assert search_capacity(serial_capacity_run, workload, 200.0, 400.0, slo_ttft_p99_s=0.05).rate is None
+    assert search_capacity(serial_capacity_run, workload, 0.1, 0.2, slo_ttft_p99_s=10.0).rate == 0.2
+    with pytest.raises(ValueError, match="at least one SLO"):
+        search_capacity(serial_capacity_run, workload, 0.1, 1.0)
+    with pytest.raises(ValueError, match="poisson/gamma"):
+        search_capacity(serial_capacity_run, WorkloadConfig(), 0.1, 1.0, slo_ttft_p99_s=1.0)
+
+
+def test_impossible_request_fails_up_front():
+    with pytest.raises(ValueError, match="max_model_len"):
+        simulate([Request("huge", range(3000), 10)], SchedulerConfig(), lambda: ConstantTimer(0.1))
+    assert math.isnan(simulate([Request("x", range(3), 1)], SchedulerConfig(),
+                               lambda: ConstantTimer(0.1)).metrics()["tpot_s"]["p50"])

@@ -1,0 +1,95 @@
+"""``python -m experiments.simulate``: the files real runs write, and clear errors for bad configs."""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from calibration.cost_model import CostModel, ProfileMismatchError
+from engine.config import ModelConfig
+from engine.metrics import REQUEST_COLUMNS, summarize
+from engine.model_loader import config_fingerprint
+from engine.trace import summarize_trace
+from experiments.schema import to_object
+from experiments.simulate import SimulateApp, run_app
+from sim.run import MissingProfileError
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+def tiny_profile(path: Path) -> str:
+    CostModel((2e-3, 1e-5, 1e-4, 1e-7, 1e-8, 1e-5), step_overhead_s=2e-4,
+              fingerprint=config_fingerprint(ModelConfig(name="tiny"))).save(path)
+    return str(path)
+
+
+def composed(*overrides: str) -> SimulateApp:
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return to_object(compose(config_name="simulate", overrides=list(overrides)))
+
+
+def test_app_writes_the_real_runs_files(tmp_path):
+    profile = tiny_profile(tmp_path / "profile.json")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "experiments.simulate", "model=tiny", f"calibration.profile={profile}",
+                           "workload=gamma", "workload.num_requests=40", "workload.rate=20", "replicas=2",
+                           "router=least_outstanding", f"hydra.run.dir={out}"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics.keys() == summarize([]).keys() and metrics["completed"] == 40
+    with open(out / "requests.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0]) == REQUEST_COLUMNS and len(rows) == 40
+    calls = sum(summarize_trace(out / f"trace_replica{i}.json", 8).model_calls for i in range(2))
+    assert calls == json.loads((out / "sim.json").read_text())["num_steps"] > 0
+    with open(out / "timeseries.csv") as f:
+        assert len(list(csv.DictReader(f))) == calls
+
+
+def test_missing_profile_fails_with_a_clear_message(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "experiments.simulate", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode != 0
+    assert "no calibration profile" in proc.stderr and "experiments.calibrate" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "metrics.json").exists()
+
+
+def test_profile_for_another_model_is_refused(tmp_path):
+    app = composed("model=qwen2_5_0_5b", f"calibration.profile={tiny_profile(tmp_path / 'p.json')}")
+    with pytest.raises(ProfileMismatchError, match="calibrate this model"):
+        run_app(app, tmp_path / "out")
+    with pytest.raises(MissingProfileError, match="does not exist"):
+        run_app(composed("calibration.profile=/nonexistent/profile.json"), tmp_path / "out")
+    assert not (tmp_path / "out" / "metrics.json").exists()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("replica=2", "replica"),
+    ("workload.rat=3", "rat"),
+    ("scheduler.max_num_seqs=many", "max_num_seqs"),
+    ("workload=nonexistent", "nonexistent"),
+])
+def test_typos_fail_at_compose_time(override, message):
+    with pytest.raises(ConfigCompositionException, match=message):
+        composed(override)
+
+
+def test_bad_values_fail_clearly(tmp_path):
+    with pytest.raises(ValueError, match="router must be one of"):
+        run_app(composed("router=random", f"calibration.profile={tiny_profile(tmp_path / 'p.json')}", "model=tiny"),
+                tmp_path / "out")
+    with pytest.raises(Exception, match="workload.concurrency must be >= 1"):
+        composed("workload=closed_loop", "workload.concurrency=0")
+
+
+@pytest.mark.parametrize("workload", ["seed_burst", "poisson", "gamma", "closed_loop", "trace"])
+def test_every_workload_config_composes(workload):
+    extra = ["workload.path=x.csv"] if workload == "trace" else []
+    app = composed(f"workload={workload}", *extra)
+    assert app.workload.arrival in ("burst", "poisson", "gamma", "closed_loop", "trace")
