@@ -103,13 +103,13 @@ def _parse_prompt(prompt: Any) -> tuple[list[int] | None, str | None]:
     if isinstance(prompt, list):
         if not prompt:
             raise ApiError(400, "prompt: must not be empty", "prompt")
-        if len(prompt) == 1 and isinstance(prompt[0], str | list):  # OpenAI's batch of one
-            return _parse_prompt(prompt[0])
+        if all(isinstance(t, str | list) for t in prompt):  # OpenAI's batch of prompts
+            if len(prompt) == 1:
+                return _parse_prompt(prompt[0])
+            raise ApiError(400, "prompt: batched prompts are not supported; send one per request", "prompt")
         bad = [(i, t) for i, t in enumerate(prompt) if not isinstance(t, int) or isinstance(t, bool)]
         if bad:
             i, t = bad[0]
-            if isinstance(t, str | list):
-                raise ApiError(400, "prompt: batched prompts are not supported; send one per request", "prompt")
             raise ApiError(400, f"prompt[{i}]: token ids must be integers, got {t!r}", "prompt")
         return list(prompt), None
     raise ApiError(400, f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")

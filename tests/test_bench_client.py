@@ -1,0 +1,53 @@
+"""The load generator's bookkeeping: vLLM's definitions over what the client recorded."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.bench_client import BenchConfig, BenchResult, HttpRecord, bench_metrics, format_summary, write_outputs
+from engine.metrics import read_requests_csv
+
+
+def record(rid: str, send: float, times: list[float], finish: str | None = "length", code: int = 200,
+           error: str | None = None, arrival: float | None = None) -> HttpRecord:
+    timing = None
+    if times and arrival is not None:  # the engine saw the request `arrival` s after the send
+        timing = {"arrival_s": 100.0 + send + arrival, "token_times_s": [100.0 + t - 0.001 for t in times]}
+    return HttpRecord(rid, 4, len(times) or 3, send, send_s=send, end_s=(times[-1] if times else send),
+                      token_times_s=times, token_ids=[1] * len(times), status_code=code, finish_reason=finish,
+                      error=error, server_timing=timing, t0_abs=100.0)
+
+
+def test_metrics_follow_vllm_definitions_and_count_failures():
+    records = [record("a", 0.0, [0.5, 0.7, 0.9], arrival=0.002),
+               record("b", 0.1, [0.3, 1.3], arrival=0.002),
+               record("c", 0.2, [], finish=None, code=429, error="the waiting queue is full"),
+               record("d", 0.3, [0.6, 0.8], finish="abort", error="server shutting down")]
+    m = bench_metrics(records, duration_s=2.0, cfg=BenchConfig(slo_ttft_ms=300))
+    assert (m["completed"], m["failed"], m["rejected_429"]) == (2, 2, 1)
+    assert m["total_output_tokens"] == 5 and m["output_throughput_tok_s"] == pytest.approx(2.5)
+    assert m["ttft_s"]["mean"] == pytest.approx((0.5 + 0.2) / 2)
+    assert m["tpot_s"]["mean"] == pytest.approx((0.2 + 1.0) / 2)  # (E2E - TTFT) / (n - 1)
+    assert m["goodput_req_s"] == pytest.approx(0.5)  # only b meets TTFT <= 300 ms
+    # engine saw it 2 ms after the send and the token 1 ms before the client: 3 ms overhead
+    assert m["http_overhead_ttft_s"]["p50"] == pytest.approx(0.003)
+    assert m["http_ingress_s"]["p50"] == pytest.approx(0.002)
+    assert "Successful requests:" in format_summary(m)
+
+
+def test_outputs_round_trip_through_engine_metrics(tmp_path):
+    records = [record("a", 0.0, [0.5, 0.7]), record("c", 0.2, [], finish=None, code=429, error="full")]
+    write_outputs(BenchResult(records, 1.0, bench_metrics(records, 1.0, BenchConfig())), tmp_path)
+    back = {r.request_id: r for r in read_requests_csv(tmp_path / "requests.csv")}
+    assert back["a"].token_times_s == (0.5, 0.7) and back["a"].status == "FINISHED_LENGTH"
+    assert back["c"].status == "REJECTED" and back["c"].output_tokens == 0
+    assert math.isnan(back["a"].first_scheduled_s)
+    assert (tmp_path / "metrics.json").is_file() and (tmp_path / "http_requests.csv").is_file()
+
+
+@pytest.mark.parametrize("bad", [{"max_concurrency": 0}, {"slo_ttft_ms": -1.0}, {"timeout_s": 0.0}])
+def test_bench_config_refuses_nonsense(bad):
+    with pytest.raises(ValueError):
+        BenchConfig(**bad)

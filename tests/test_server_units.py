@@ -1,0 +1,72 @@
+"""The server's pieces in-process: health gating on warm-up, request parsing, the engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.config import ModelConfig, SchedulerConfig
+from engine.engine_thread import EngineThread, QueueFull, RequestSink
+from engine.llm_engine import Engine
+from engine.openai_protocol import ApiError, check_limits, parse_completion
+from engine.request import Request
+from engine.server import create_app, parse_prometheus
+
+TINY = ModelConfig(name="tiny", num_threads=1)
+
+
+def test_health_is_503_until_the_engine_has_warmed_up():
+    go = threading.Event()
+
+    def build() -> Engine:
+        go.wait(30)
+        engine = Engine(SchedulerConfig(max_num_seqs=2), TINY)
+        engine.warmup()
+        return engine
+
+    thread = EngineThread(build, max_waiting=8)
+    with TestClient(create_app(thread, "tiny")) as client:
+        assert client.get("/health").status_code == 503
+        refused = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+        assert refused.status_code == 503 and "warming up" in refused.json()["error"]["message"]
+        go.set()
+        assert thread.ready.wait(60)
+        assert client.get("/health").json() == {"status": "ok"}
+        ok = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "ignore_eos": True})
+        assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 2
+        m = parse_prometheus(client.get("/metrics").text)
+        assert m['miniserve:requests_rejected_total{reason="unavailable"}'] == 1
+        assert m["miniserve:requests_finished_total"] == 1
+
+
+def test_submit_past_max_waiting_raises_queue_full_without_accepting():
+    thread = EngineThread(lambda: Engine(SchedulerConfig(max_num_seqs=1), TINY), max_waiting=2)
+    loop = asyncio.new_event_loop()  # not running: the thread is never started, nothing drains
+    try:
+        sink = RequestSink(loop)
+        thread.submit(Request("a", [1], 1), sink)
+        thread.submit(Request("b", [1], 1), sink)
+        with pytest.raises(QueueFull):
+            thread.submit(Request("c", [1], 1), sink)
+    finally:
+        loop.close()
+
+
+def test_parse_accepts_token_ids_text_and_a_batch_of_one():
+    p = parse_completion({"prompt": [3, 4], "max_tokens": 5, "stream": True, "unknown_field": {"x": 1},
+                          "stream_options": {"include_usage": True}, "temperature": 0})
+    assert (p.prompt_token_ids, p.max_tokens, p.stream, p.include_usage) == ([3, 4], 5, True, True)
+    assert parse_completion({"prompt": "hi"}).prompt_text == "hi"
+    assert parse_completion({"prompt": [[7, 8]]}).prompt_token_ids == [7, 8]
+
+
+@pytest.mark.parametrize("ids,max_tokens,param", [([0, 99], 1, "prompt"), ([1] * 10, 1, "prompt"),
+                                                  ([1] * 5, 6, "max_tokens")])
+def test_check_limits_blames_the_right_field(ids, max_tokens, param):
+    with pytest.raises(ApiError) as err:
+        check_limits(ids, max_tokens, vocab_size=50, max_model_len=10, kv_capacity_tokens=64)
+    assert err.value.param == param and err.value.status == 400
+    check_limits([1] * 5, 5, vocab_size=50, max_model_len=10, kv_capacity_tokens=64)
