@@ -94,13 +94,15 @@ class ContinuousScheduler(Scheduler):
     def schedule(self, state: ServingState) -> BatchPlan | None:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        entries: dict[str, tuple[int, int, bool]] = {}  # id -> (tokens, context, samples)
+        # id -> (tokens, context, samples, is_decode); insertion order puts decodes first
+        entries: dict[str, tuple[int, int, bool, bool]] = {}
         preempted: list[str] = []
+        kv = state.kv
 
         def reserve(request: Request, n: int) -> bool:
             """Blocks for ``n`` more tokens, preempting the newest running requests if needed."""
             nonlocal budget
-            while not state.kv.grow(request.request_id, request.num_computed_tokens + n):
+            while not kv.grow(request.request_id, request.num_computed_tokens + n):
                 victim = state.running[-1]
                 state.preempt(victim)
                 preempted.append(victim.request_id)
@@ -111,44 +113,57 @@ class ContinuousScheduler(Scheduler):
                     return False
             return True
 
-        for phase_is_decode in (True, False):
-            for request in list(state.running):
-                if budget == 0:
-                    break
-                if (request.status != RequestStatus.RUNNING or request.is_decoding != phase_is_decode
-                        or request.request_id in entries):
-                    continue
-                remaining = request.num_tokens - request.num_computed_tokens
-                n = 1 if phase_is_decode else min(remaining, cfg.long_prefill_token_threshold, budget)
-                if reserve(request, n):
-                    entries[request.request_id] = (n, request.num_computed_tokens, n == remaining)
-                    budget -= n
+        # Split once: preemption below only removes requests (newest first), and it leaves the
+        # decode/prefill split of the others unchanged, so each pass sees what it always saw.
+        decoding, prefilling = [], []
+        for request in state.running:
+            (decoding if request.is_decoding else prefilling).append(request)
+
+        for request in decoding:
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            if kv.grow(request.request_id, request.num_computed_tokens + 1) or reserve(request, 1):
+                entries[request.request_id] = (1, request.num_computed_tokens, True, True)
+                budget -= 1
+
+        for request in prefilling:
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            remaining = request.num_tokens - request.num_computed_tokens
+            n = min(remaining, cfg.long_prefill_token_threshold, budget)
+            if reserve(request, n):
+                entries[request.request_id] = (n, request.num_computed_tokens, n == remaining, False)
+                budget -= n
 
         if not preempted:  # as vLLM: no admissions in a step that had to preempt
             while state.waiting and budget > 0 and len(state.running) < cfg.max_num_seqs:
                 request = state.waiting[0]
                 remaining = request.num_tokens  # nothing computed while waiting
                 n = min(remaining, cfg.long_prefill_token_threshold, budget)
-                if not state.kv.grow(request.request_id, n):
+                if not kv.grow(request.request_id, n):
                     break
                 state.admit(request)
-                entries[request.request_id] = (n, 0, n == remaining)
+                entries[request.request_id] = (n, 0, n == remaining, False)
                 budget -= n
 
         if not entries:
             return None
         return self._plan(state, entries, preempted)
 
-    def _plan(self, state: ServingState, entries: dict[str, tuple[int, int, bool]],
+    def _plan(self, state: ServingState, entries: dict[str, tuple[int, int, bool, bool]],
               preempted: list[str]) -> BatchPlan:
-        ids = tuple(entries)  # decodes were entered first, so they lead
+        num_tokens, context_lens, samples, is_decode = zip(*entries.values())
         plan = BatchPlan(
             scheduler=self.name,
-            request_ids=ids,
-            num_tokens=tuple(entries[rid][0] for rid in ids),
-            context_lens=tuple(entries[rid][1] for rid in ids),
-            samples=tuple(entries[rid][2] for rid in ids),
-            num_decodes=sum(1 for rid in ids if state.requests[rid].is_decoding),
+            request_ids=tuple(entries),  # decodes were entered first, so they lead
+            num_tokens=num_tokens,
+            context_lens=context_lens,
+            samples=samples,
+            num_decodes=sum(is_decode),
             preempted_ids=tuple(preempted),
         )
         assert plan.total_tokens <= self.config.max_num_batched_tokens

@@ -29,7 +29,7 @@ class KVBlockPool:
     def grow(self, request_id: str, num_tokens: int) -> bool:
         """Make ``request_id`` hold enough blocks for ``num_tokens``; False (and no change) if short."""
         have = self.held.get(request_id, 0)
-        need = self.blocks_for(num_tokens) - have
+        need = -(-num_tokens // self.block_size) - have  # blocks_for, inlined: called per request per step
         if need <= 0:
             return True
         if need > self.num_free:
