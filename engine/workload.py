@@ -7,6 +7,7 @@ requests for the same settings.
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -162,14 +163,18 @@ def generate(cfg: WorkloadConfig) -> Workload:
     return Workload(arrival, cfg.prompt.sample(n, rng), cfg.output.sample(n, rng), concurrency)
 
 
+def iter_requests(workload: Workload, vocab_size: int | None = None, seed: int = 0,
+                  prefix: str = "req") -> Iterator[Request]:
+    """``make_requests`` one at a time, so a long simulation never holds every request at once."""
+    rng = np.random.default_rng(seed)
+    for i, (t, p, o) in enumerate(zip(workload.arrival_s.tolist(), workload.prompt_tokens.tolist(),
+                                      workload.output_tokens.tolist())):
+        prompt = rng.integers(0, vocab_size, p).tolist() if vocab_size else range(p)
+        yield Request(f"{prefix}-{i}", prompt, o, arrival_s=t)
+
+
 def make_requests(workload: Workload, vocab_size: int | None = None, seed: int = 0,
                   prefix: str = "req") -> list[Request]:
     """Requests with random prompt ids in the vocabulary, or placeholder ``range`` prompts
     (length only) when ``vocab_size`` is None, as the simulator needs."""
-    rng = np.random.default_rng(seed)
-    requests = []
-    for i, (t, p, o) in enumerate(zip(workload.arrival_s.tolist(), workload.prompt_tokens.tolist(),
-                                      workload.output_tokens.tolist())):
-        prompt = rng.integers(0, vocab_size, p).tolist() if vocab_size else range(p)
-        requests.append(Request(f"{prefix}-{i}", prompt, o, arrival_s=t))
-    return requests
+    return list(iter_requests(workload, vocab_size, seed, prefix))

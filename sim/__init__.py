@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from engine.workload import Workload, WorkloadConfig, generate, make_requests
+from collections.abc import Iterable
+
+import numpy as np
+
+from engine.request import Request
+from engine.workload import Workload, WorkloadConfig, generate, iter_requests, make_requests
 from sim.simulator import Simulation, SimResult, SimStep, simulate
 from sim.timing import ConstantTimer, CostModelTimer, ReplayDivergedError, ReplayTimer
 
@@ -10,8 +15,16 @@ __all__ = ["ConstantTimer", "CostModelTimer", "ReplayDivergedError", "ReplayTime
            "Simulation", "simulate", "workload_requests"]
 
 
-def workload_requests(workload: Workload | WorkloadConfig) -> tuple[list, int | None]:
-    """Placeholder-prompt requests for a workload, and its closed-loop concurrency (or None)."""
+def workload_requests(workload: Workload | WorkloadConfig, lazy: bool = False
+                      ) -> tuple[Iterable[Request], int | None]:
+    """Placeholder-prompt requests for a workload, and its closed-loop concurrency (or None).
+
+    ``lazy``: a generator in arrival order instead of a list, so that a finished request (and its
+    per-token lists) is garbage as soon as the simulator has logged it — for million-request runs.
+    """
     if isinstance(workload, WorkloadConfig):
         workload = generate(workload)
+    in_order = workload.concurrency is not None or bool(np.all(np.diff(workload.arrival_s) >= 0))
+    if lazy and in_order:
+        return iter_requests(workload), workload.concurrency
     return make_requests(workload), workload.concurrency

@@ -49,7 +49,7 @@ class SimOptions:
 
 def run_workload(cost: CostModel, scheduler: SchedulerConfig, workload: WorkloadConfig,
                  options: SimOptions = SimOptions()) -> SimResult:
-    requests, concurrency = workload_requests(workload)
+    requests, concurrency = workload_requests(workload, lazy=not options.keep_token_times)
     return simulate(requests, scheduler, lambda: CostModelTimer(cost), concurrency=concurrency,
                     num_replicas=options.replicas, router=options.router, keep_steps=options.trace,
                     timeseries=options.timeseries, keep_token_times=options.keep_token_times)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import simpy
@@ -204,43 +204,56 @@ class Simulation:
         for replica in self.replicas:
             replica.close()
 
-    def _open_loop(self, requests: Sequence[Request]):
+    def _open_loop(self, requests: Iterator[Request]):
         env = self.env
+        last = 0.0
         for request in requests:
-            delay = request.arrival_s - env.now
+            if request.arrival_s < last:
+                raise ValueError(f"request {request.request_id} arrives at {request.arrival_s} s, before the "
+                                 f"previous one ({last} s): a lazy request source must be in arrival order")
+            last = request.arrival_s
+            delay = last - env.now
             if delay > 0:
                 yield _Delivery(env, delay)
             self._dispatch(request)
         self._close()
 
-    def _closed_loop(self, requests: Sequence[Request], concurrency: int) -> None:
+    def _closed_loop(self, requests: Iterator[Request], concurrency: int) -> None:
         """``concurrency`` clients: each finish issues the next request at the finish time."""
-        pending = deque(requests)
 
         def issue(count: int, now: float) -> None:
-            for _ in range(min(count, len(pending))):
-                request = pending.popleft()
+            for _ in range(count):
+                request = next(requests, None)
+                if request is None:
+                    self.on_finish = None
+                    self._close()
+                    return
                 request.arrival_s = now
                 self._dispatch(request)
-            if not pending:
-                self._close()
 
+        self.on_finish = issue
         issue(concurrency, 0.0)
-        if pending:
-            self.on_finish = issue
 
     def run(self, requests: Iterable[Request], concurrency: int | None = None) -> SimResult:
-        """Serve every request; ``concurrency`` set means closed loop (arrival times are ignored)."""
-        requests = list(requests)
-        if len({r.request_id for r in requests}) != len(requests):
-            raise ValueError("request ids in one run must be unique")
-        for request in requests:  # fail up front, as Engine.run does
-            self.replicas[0].state.validate(request)
+        """Serve every request; ``concurrency`` set means closed loop (arrival times are ignored).
+
+        A list is checked up front (unique ids, each servable) as Engine.run does; any other
+        iterable is consumed lazily, in arrival order, and checked as each request arrives.
+        """
+        if isinstance(requests, Sequence):
+            requests = list(requests)
+            if len({r.request_id for r in requests}) != len(requests):
+                raise ValueError("request ids in one run must be unique")
+            for request in requests:
+                self.replicas[0].state.validate(request)
+            if concurrency is None:
+                requests.sort(key=lambda r: r.arrival_s)
+        source = iter(requests)
+        del requests  # a lazy source's requests must not outlive their finish
         if concurrency is None:
-            requests.sort(key=lambda r: r.arrival_s)
-            self.env.process(self._open_loop(requests))
+            self.env.process(self._open_loop(source))
         else:
-            self._closed_loop(requests, concurrency)
+            self._closed_loop(source, concurrency)
         for replica in self.replicas:
             self.env.process(replica.run())
         self.env.run()

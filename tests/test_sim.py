@@ -192,3 +192,32 @@ def test_impossible_request_fails_up_front():
         simulate([Request("huge", range(3000), 10)], SchedulerConfig(), lambda: ConstantTimer(0.1))
     assert math.isnan(simulate([Request("x", range(3), 1)], SchedulerConfig(),
                                lambda: ConstantTimer(0.1)).metrics()["tpot_s"]["p50"])
+
+
+def test_lazy_source_frees_finished_requests_and_matches_the_list_run():
+    import gc
+    import weakref
+
+    workload = WorkloadConfig(arrival="poisson", num_requests=200, rate=50.0, seed=4,
+                              prompt=LengthDist(kind="uniform", low=8, high=64),
+                              output=LengthDist(kind="uniform", low=2, high=30))
+    config = SchedulerConfig(name="continuous", max_num_seqs=16)
+    cost = CostModel((2e-3, 1e-5, 2e-4, 1e-7, 1e-8, 1e-5), 1e-4)
+    refs = []
+
+    def source():
+        for request in workload_requests(workload, lazy=True)[0]:
+            refs.append(weakref.ref(request))
+            yield request
+
+    lazy = simulate(source(), config, lambda: CostModelTimer(cost), keep_token_times=False)
+    gc.collect()
+    assert len(refs) == 200 and all(ref() is None for ref in refs)  # nothing per-token survives a request
+    listed = simulate(make_requests(generate(workload)), config, lambda: CostModelTimer(cost), keep_token_times=False)
+    assert lazy.metrics() == listed.metrics()
+
+
+def test_lazy_source_out_of_arrival_order_is_an_error():
+    late_then_early = iter([Request("a", range(4), 2, arrival_s=1.0), Request("b", range(4), 2, arrival_s=0.5)])
+    with pytest.raises(ValueError, match="arrival order"):
+        simulate(late_then_early, SchedulerConfig(), lambda: ConstantTimer(0.1))
