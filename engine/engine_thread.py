@@ -245,10 +245,10 @@ class EngineThread:
         self.stats.generation_tokens += len(new)
         finish = FINISH_REASONS.get(request.status) if request.status.is_finished else None
         first = request.first_scheduled_s if live.sent == len(new) else None
-        live.sink.put(TokenEvent(new, times, finish, first_scheduled_s=first))
-        if finish is not None:
+        if finish is not None:  # counted before the client can see the end of its request
             del self._live[request.request_id]
             self.stats.finished += 1
+        live.sink.put(TokenEvent(new, times, finish, first_scheduled_s=first))
 
     def _publish_gauges(self) -> None:
         engine, stats = self.engine, self.stats
