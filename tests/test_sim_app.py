@@ -93,3 +93,17 @@ def test_every_workload_config_composes(workload):
     extra = ["workload.path=x.csv"] if workload == "trace" else []
     app = composed(f"workload={workload}", *extra)
     assert app.workload.arrival in ("burst", "poisson", "gamma", "closed_loop", "trace")
+
+
+def test_capacity_search_from_the_app(tmp_path):
+    app = composed("model=tiny", f"calibration.profile={tiny_profile(tmp_path / 'p.json')}",
+                   "workload.num_requests=150", "scheduler.max_num_seqs=8", "capacity.enabled=true",
+                   "capacity.low=1", "capacity.high=400", "capacity.slo_ttft_p99_s=0.05", "capacity.rel_tol=0.05",
+                   "trace=false", "timeseries=false")
+    metrics = run_app(app, tmp_path / "out")
+    found = json.loads((tmp_path / "out" / "capacity.json").read_text())
+    assert found["max_rate_req_s"] == metrics["capacity_req_s"]
+    assert 1 < found["max_rate_req_s"] < 400
+    ok = [p for p in found["probes"] if p["ok"]]
+    assert all(p["ttft_p99_s"] <= 0.05 for p in ok) and max(p["rate"] for p in ok) == found["max_rate_req_s"]
+    assert not (tmp_path / "out" / "trace.json").exists()

@@ -12,7 +12,7 @@ from engine.model_runner import ModelRunner
 from engine.workload import LengthDist, WorkloadConfig, generate, make_requests
 from sim import CostModelTimer, ReplayDivergedError, ReplayTimer, simulate
 
-POISSON = WorkloadConfig(arrival="poisson", num_requests=24, rate=400.0, seed=3,
+POISSON = WorkloadConfig(arrival="poisson", num_requests=24, rate=50.0, seed=3,
                          prompt=LengthDist(kind="uniform", low=4, high=40),
                          output=LengthDist(kind="uniform", low=1, high=12))
 BURST = WorkloadConfig()  # the seed's burst: 16 × (12-token prompt, 4/16/8/12 outputs)
@@ -29,24 +29,25 @@ CONFIGS = {
 
 
 @pytest.fixture(scope="module")
-def engines():
-    """One loaded tiny model (its KV slots fit every config here), a fresh engine per run."""
+def real_run():
+    """Real runs on one loaded tiny model (its KV slots fit every config here), each once."""
     runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=8))
     Engine(SchedulerConfig(max_num_seqs=8), runner.model_config, runner=runner).warmup()
+    done = {}
 
-    def get(name: str) -> Engine:
-        return Engine(CONFIGS[name], runner.model_config, runner=runner)
-    return get
-
-
-def real_run(engine: Engine, workload: WorkloadConfig):
-    wl = generate(workload)
-    return engine.run(make_requests(wl, vocab_size=engine.runner.vocab_size, seed=workload.seed))
+    def run(name: str, workload: WorkloadConfig):
+        key = (name, workload)
+        if key not in done:
+            engine = Engine(CONFIGS[name], runner.model_config, runner=runner)
+            requests = make_requests(generate(workload), vocab_size=runner.vocab_size, seed=workload.seed)
+            done[key] = engine.run(requests)
+        return done[key]
+    return run
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_replaying_measured_steps_reproduces_plans_and_token_times(engines, name):
-    real = real_run(engines(name), POISSON)
+def test_replaying_measured_steps_reproduces_plans_and_token_times(real_run, name):
+    real = real_run(name, POISSON)
     sim = simulate(make_requests(generate(POISSON)), CONFIGS[name], lambda: ReplayTimer(real.steps), keep_steps=True)
     assert [s.plan for s in sim.steps] == [s.plan for s in real.steps]
     assert [(s.start_s, s.end_s) for s in sim.steps] == [(s.start_s, s.end_s) for s in real.steps]
@@ -67,13 +68,13 @@ def test_replaying_measured_steps_reproduces_plans_and_token_times(engines, name
     if name == "continuous":
         # arrivals really interleaved with steps: some step ran while later requests had not arrived
         last_arrival = max(r.arrival_s for r in sim.records)
-        assert sum(s.start_s < last_arrival for s in real.steps) > 3
+        assert sum(s.start_s < last_arrival for s in real.steps) >= 2
 
 
 @pytest.mark.parametrize("name", ["serial", "static", "continuous", "continuous_preempting"])
-def test_cost_model_gives_the_real_plans_for_a_burst(engines, name):
+def test_cost_model_gives_the_real_plans_for_a_burst(real_run, name):
     workload = replace(BURST, prompt=LengthDist(kind="uniform", low=4, high=40), seed=1)
-    real = real_run(engines(name), workload)
+    real = real_run(name, workload)
     cost = CostModel((1e-3, 2e-6, 3e-5, 1e-8, 1e-9, 1e-6), step_overhead_s=2e-4)
     sim = simulate(make_requests(generate(workload)), CONFIGS[name], lambda: CostModelTimer(cost), keep_steps=True)
     assert [s.plan for s in sim.steps] == [s.plan for s in real.steps]
@@ -82,8 +83,8 @@ def test_cost_model_gives_the_real_plans_for_a_burst(engines, name):
         assert s.end_s - s.start_s == pytest.approx(cost.predict(s.plan), rel=1e-12)
 
 
-def test_replay_reports_where_a_run_diverges(engines):
-    real = real_run(engines("continuous"), POISSON)
+def test_replay_reports_where_a_run_diverges(real_run):
+    real = real_run("continuous", POISSON)
     other = replace(CONFIGS["continuous"], max_num_seqs=3)
     with pytest.raises(ReplayDivergedError, match="step"):
         simulate(make_requests(generate(POISSON)), other, lambda: ReplayTimer(real.steps))
