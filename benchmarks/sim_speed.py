@@ -27,9 +27,11 @@ from calibration.cost_model import CostModel  # noqa: E402
 from engine.config import SchedulerConfig  # noqa: E402
 from engine.workload import LengthDist, WorkloadConfig, generate, iter_requests, make_requests  # noqa: E402
 from sim import CostModelTimer, simulate  # noqa: E402
+from sim.timing import cost_model_from  # noqa: E402
 
-# const, prefill_tokens, decode_tokens, decode_context, prefill_attention, num_requests (seconds)
-STAND_IN = CostModel((5e-3, 2e-5, 5e-5, 1e-8, 1e-9, 1e-5), step_overhead_s=1e-3)
+# seconds per unit of each plan feature (see calibration/cost_model.py)
+STAND_IN = cost_model_from(step_overhead_s=1e-3, const=5e-3, prefill_tokens=2e-5, decode_tokens=5e-5,
+                           decode_context=1e-8, prefill_attention=1e-9, num_requests=1e-5)
 SCHEDULER = SchedulerConfig(name="continuous", max_num_seqs=64, max_num_batched_tokens=2048,
                             long_prefill_token_threshold=512, num_kv_blocks=16384, block_size=16,
                             max_model_len=4096)
@@ -82,7 +84,8 @@ def main() -> None:
         return
 
     if not args.profile:
-        print(f"step costs: stand-in coefficients {STAND_IN.coefficients}, overhead {STAND_IN.step_overhead_s} s "
+        nonzero = {k: c for k, c in zip(STAND_IN.feature_names, STAND_IN.coefficients) if c}
+        print(f"step costs: stand-in coefficients {nonzero}, overhead {STAND_IN.step_overhead_s} s "
               "(pass --profile for a calibrated model)")
     sat = saturation_rate(args.profile)
     rate = args.load * sat

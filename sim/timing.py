@@ -10,8 +10,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from calibration.cost_model import CostModel
+from calibration.cost_model import FEATURES, CostModel
 from engine.plan import BatchPlan
+
+
+def cost_model_from(step_overhead_s: float = 0.0, fingerprint: str | None = None, **coefficients: float) -> CostModel:
+    """A CostModel given by feature name (the rest zero), for tests and stand-ins: it stays valid
+    when calibration adds features."""
+    unknown = set(coefficients) - set(FEATURES)
+    if unknown:
+        raise ValueError(f"unknown cost features {sorted(unknown)}; known: {list(FEATURES)}")
+    return CostModel(tuple(float(coefficients.get(name, 0.0)) for name in FEATURES), step_overhead_s,
+                     fingerprint=fingerprint)
 
 
 class StepTimer(Protocol):

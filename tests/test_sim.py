@@ -7,15 +7,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from calibration.cost_model import CostModel
 from engine.config import SchedulerConfig
 from engine.request import Request
 from engine.trace import summarize_trace, write_chrome_trace
 from engine.workload import LengthDist, WorkloadConfig, generate, make_requests
 from sim import ConstantTimer, CostModelTimer, simulate, workload_requests
+from sim.timing import cost_model_from
 from sim.capacity import search_capacity
 from tests.helpers import create_requests, drain
 
+COST = cost_model_from(step_overhead_s=1e-4, const=1e-3, prefill_tokens=1e-5, decode_tokens=1e-4,
+                       decode_context=1e-7, prefill_attention=1e-8, num_requests=1e-5)
 SEED_CALLS = {"serial": (160, 16, 144), "static": (32, 2, 30), "continuous": (28, None, None)}
 
 
@@ -56,7 +58,7 @@ def test_one_request_constant_cost_gives_exact_metrics():
 
 def test_idle_engine_waits_for_the_arrival_and_cost_model_adds_overhead_between_calls():
     # call = const 0.1 s + 0.01 s per prefill token; then 0.05 s outside the call before the next step
-    cost = CostModel((0.1, 0.01, 0.0, 0.0, 0.0, 0.0), step_overhead_s=0.05)
+    cost = cost_model_from(step_overhead_s=0.05, const=0.1, prefill_tokens=0.01)
     sim = simulate(one_request(arrival_s=2.0), SchedulerConfig(name="continuous"), lambda: CostModelTimer(cost))
     (rec,) = sim.records
     # prefill 10 tokens: 0.2 s; then 4 decodes of 0.1 s, each after 0.05 s of overhead
@@ -87,7 +89,7 @@ def test_nothing_is_lost_at_any_rate(config, rate, n, seed, arrival, replicas, r
                               output=LengthDist(kind="uniform", low=1, high=24))
     requests, concurrency = workload_requests(workload)
     wanted = {r.request_id: r.max_tokens for r in requests}
-    sim = simulate(requests, config, lambda: CostModelTimer(CostModel((1e-3, 1e-5, 1e-4, 1e-7, 1e-8, 1e-5), 1e-4)),
+    sim = simulate(requests, config, lambda: CostModelTimer(COST),
                    concurrency=concurrency, num_replicas=replicas, router=router, keep_token_times=not compact,
                    timeseries=True)
     m = sim.metrics()
@@ -112,7 +114,7 @@ def test_compact_records_give_the_same_metrics():
                               prompt=LengthDist(kind="lognormal", value=64, sigma=0.5, max=512),
                               output=LengthDist(kind="lognormal", value=32, sigma=0.5, max=128))
     config = SchedulerConfig(name="continuous", max_num_seqs=16)
-    cost = CostModel((2e-3, 1e-5, 2e-4, 1e-7, 1e-8, 1e-5), 1e-4)
+    cost = COST
     full = simulate(make_requests(generate(workload)), config, lambda: CostModelTimer(cost)).metrics(0.5, 0.01)
     compact = simulate(make_requests(generate(workload)), config, lambda: CostModelTimer(cost),
                        keep_token_times=False).metrics(0.5, 0.01)
@@ -202,7 +204,7 @@ def test_lazy_source_frees_finished_requests_and_matches_the_list_run():
                               prompt=LengthDist(kind="uniform", low=8, high=64),
                               output=LengthDist(kind="uniform", low=2, high=30))
     config = SchedulerConfig(name="continuous", max_num_seqs=16)
-    cost = CostModel((2e-3, 1e-5, 2e-4, 1e-7, 1e-8, 1e-5), 1e-4)
+    cost = COST
     refs = []
 
     def source():

@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from calibration.cost_model import CostModel, ProfileMismatchError
+from calibration.cost_model import ProfileMismatchError
 from engine.config import ModelConfig
 from engine.metrics import REQUEST_COLUMNS, summarize
 from engine.model_loader import config_fingerprint
@@ -18,13 +18,14 @@ from engine.trace import summarize_trace
 from experiments.schema import to_object
 from experiments.simulate import SimulateApp, run_app
 from sim.run import MissingProfileError
+from sim.timing import cost_model_from
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
 
 def tiny_profile(path: Path) -> str:
-    CostModel((2e-3, 1e-5, 1e-4, 1e-7, 1e-8, 1e-5), step_overhead_s=2e-4,
-              fingerprint=config_fingerprint(ModelConfig(name="tiny"))).save(path)
+    cost_model_from(step_overhead_s=2e-4, fingerprint=config_fingerprint(ModelConfig(name="tiny")), const=2e-3,
+                    prefill_tokens=1e-5, decode_tokens=1e-4, decode_context=1e-7).save(path)
     return str(path)
 
 

@@ -5,12 +5,12 @@ from dataclasses import replace
 
 import pytest
 
-from calibration.cost_model import CostModel
 from engine.config import ModelConfig, SchedulerConfig
 from engine.llm_engine import Engine
 from engine.model_runner import ModelRunner
 from engine.workload import LengthDist, WorkloadConfig, generate, make_requests
 from sim import CostModelTimer, ReplayDivergedError, ReplayTimer, simulate
+from sim.timing import cost_model_from
 
 POISSON = WorkloadConfig(arrival="poisson", num_requests=24, rate=50.0, seed=3,
                          prompt=LengthDist(kind="uniform", low=4, high=40),
@@ -75,7 +75,8 @@ def test_replaying_measured_steps_reproduces_plans_and_token_times(real_run, nam
 def test_cost_model_gives_the_real_plans_for_a_burst(real_run, name):
     workload = replace(BURST, prompt=LengthDist(kind="uniform", low=4, high=40), seed=1)
     real = real_run(name, workload)
-    cost = CostModel((1e-3, 2e-6, 3e-5, 1e-8, 1e-9, 1e-6), step_overhead_s=2e-4)
+    cost = cost_model_from(step_overhead_s=2e-4, const=1e-3, prefill_tokens=2e-6, decode_tokens=3e-5,
+                           decode_context=1e-8, prefill_attention=1e-9, num_requests=1e-6)
     sim = simulate(make_requests(generate(workload)), CONFIGS[name], lambda: CostModelTimer(cost), keep_steps=True)
     assert [s.plan for s in sim.steps] == [s.plan for s in real.steps]
     # and the simulated clock is the cost model's: each call lasts predict(plan)
