@@ -7,19 +7,51 @@ Torch-free, so the simulator can load a profile without the model. Features (per
   decode_context     Σ context of decoding requests (KV read by decode attention)
   prefill_attention  Σ chunk × (prior context + chunk / 2) (prefill attention work)
   num_requests       requests in the call (per-request attention and packing overhead)
+  tokens@K           tent basis on the call's total tokens T at knots K: the dense matmuls' cost as a
+                     piecewise-linear function of T. Measured on this CPU it is not linear, not even
+                     monotone: T=1 runs matrix-vector kernels (~0.1 s on the 0.5B model), T=2 costs
+                     twice that, T=8 less than T=2, and from ~16 tokens it grows ~linearly.
+  samples@K          the same on the number of sampled rows S (the lm_head matmul, skipped when S=0)
+Tents are ``max(0, 1 − |x − K_i| / gap)`` between neighbouring knots and ``x / K_last`` past the last,
+so a call larger than any measured one extrapolates proportionally (compute-bound).
 """
 
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.plan import BatchPlan
 
-FEATURES: tuple[str, ...] = ("const", "prefill_tokens", "decode_tokens", "decode_context",
-                             "prefill_attention", "num_requests")
+TOKEN_KNOTS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
+SAMPLE_KNOTS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+BASE_FEATURES: tuple[str, ...] = ("const", "prefill_tokens", "decode_tokens", "decode_context",
+                                  "prefill_attention", "num_requests")
+FEATURES: tuple[str, ...] = (BASE_FEATURES + tuple(f"tokens@{k}" for k in TOKEN_KNOTS)
+                             + tuple(f"samples@{k}" for k in SAMPLE_KNOTS))
+
+
+def tents(x: float, knots: tuple[int, ...]) -> list[float]:
+    """Piecewise-linear (hat) basis of ``x``: at most two non-zero weights, summing to x/K_0 below
+    the first knot, 1 between knots, x/K_last beyond the last."""
+    out = [0.0] * len(knots)
+    if x <= 0:
+        return out
+    if x <= knots[0]:
+        out[0] = x / knots[0]
+        return out
+    if x >= knots[-1]:
+        out[-1] = x / knots[-1]
+        return out
+    i = bisect_right(knots, x) - 1
+    lo, hi = knots[i], knots[i + 1]
+    w = (x - lo) / (hi - lo)
+    out[i] = 1.0 - w
+    out[i + 1] = w
+    return out
 
 
 def plan_features(plan: BatchPlan) -> tuple[float, ...]:
@@ -31,7 +63,7 @@ def plan_features(plan: BatchPlan) -> tuple[float, ...]:
         prefill_tokens += n
         prefill_attention += n * (c + n / 2)
     return (1.0, float(prefill_tokens), float(nd), float(sum(ctx[:nd])), prefill_attention,
-            float(len(ns)))
+            float(len(ns)), *tents(prefill_tokens + nd, TOKEN_KNOTS), *tents(sum(plan.samples), SAMPLE_KNOTS))
 
 
 class ProfileMismatchError(ValueError):

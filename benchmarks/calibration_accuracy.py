@@ -1,0 +1,104 @@
+"""How well a calibration predicts real calls it never saw: the seed's three schedules.
+
+    flock /tmp/miniserve-bench.lock python benchmarks/calibration_accuracy.py [--profile DIR/profile.json]
+
+Without --profile it first calibrates the 0.5B-shaped model on the full grid (a few minutes).
+Then it serves the seed burst (16 requests, 12-token prompts, outputs 4,16,8,12, max_num_seqs 8)
+with serial, static and continuous batching on the real engine, ``--repeats`` times each (the
+plans are deterministic, so every call has one median duration), and prints per scheduler the
+per-call error of the cost model's prediction: median, MAPE, worst; and the run's total time
+predicted from Σ(call + step overhead) against the measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from calibration.calibrate import CalibrationConfig, run_calibration
+from calibration.cost_model import CostModel
+from calibration.profiler import step_overheads
+from engine.config import ModelConfig, SchedulerConfig
+from engine.llm_engine import Engine
+from engine.model_loader import config_fingerprint
+from engine.workload import LengthDist, WorkloadConfig, generate, make_requests
+
+SEED_WORKLOAD = WorkloadConfig(num_requests=16, prompt=LengthDist("fixed", value=12),
+                               output=LengthDist("cycle", values=(4, 16, 8, 12)))
+SEED_SCHEDULER = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, long_prefill_token_threshold=128)
+
+
+def serve(engine: Engine, repeats: int) -> tuple[list, np.ndarray, list[float], list[float]]:
+    """Plans of one run, each call's median model time over ``repeats`` runs, per-step overheads
+    and run durations."""
+    plans, times, overheads, durations = None, [], [], []
+    for k in range(repeats):
+        requests = make_requests(generate(SEED_WORKLOAD), vocab_size=engine.runner.vocab_size, seed=k)
+        result = engine.run(requests)
+        engine.reset()
+        labels = [s.plan for s in result.steps]
+        if plans is None:
+            plans = labels
+        assert [(p.request_ids, p.num_tokens, p.context_lens) for p in labels] == \
+            [(p.request_ids, p.num_tokens, p.context_lens) for p in plans], "schedules differ between runs"
+        times.append([s.model_s for s in result.steps])
+        overheads += step_overheads(result.steps)
+        durations.append(result.duration_s)
+    return plans, np.median(np.asarray(times), axis=0), overheads, durations
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", type=Path, help="a profile.json; calibrate first when omitted")
+    parser.add_argument("--out", type=Path, default=Path("outputs/calibration_accuracy"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    model = ModelConfig(name="qwen2_5_0_5b", dtype=args.dtype, num_threads=args.threads)
+
+    if args.profile is None:
+        t = time.perf_counter()
+        calibration = run_calibration(model, CalibrationConfig(grid="full"))
+        args.out.mkdir(parents=True, exist_ok=True)
+        args.profile = args.out / "profile.json"
+        calibration.cost_model.save(args.profile)
+        print(f"calibrated in {time.perf_counter() - t:.0f} s → {args.profile}")
+    cost = CostModel.load(args.profile, expect_fingerprint=config_fingerprint(model))
+    threads = cost.info.get("measured_on", {}).get("threads")
+    if threads != model.num_threads:
+        print(f"warning: profile measured with {threads} threads, this run uses {model.num_threads}")
+    print(f"profile grid held-out: MAPE {100 * cost.info['fit']['heldout_mape']:.2f}%, "
+          f"worst {100 * cost.info['fit']['heldout_max_error']:.2f}%")
+
+    engine = Engine(SEED_SCHEDULER, model)
+    engine.warmup()
+    header = (f"{'scheduler':<11} {'calls':>5} {'median %':>9} {'MAPE %':>7} {'worst %':>8} {'worst call':<44} "
+              f"{'run s':>6} {'pred s':>7} {'ovh ms':>7}")
+    print(header)
+    all_rel = []
+    for name in ("serial", "static", "continuous"):
+        engine.reset(replace(SEED_SCHEDULER, name=name))
+        engine.warmup()
+        plans, measured, overheads, durations = serve(engine, args.repeats)
+        predicted = np.asarray([cost.predict(p) for p in plans])
+        rel = np.abs(predicted - measured) / measured
+        all_rel += rel.tolist()
+        worst = int(rel.argmax())
+        run_pred = predicted.sum() + cost.step_overhead_s * len(plans)
+        print(f"{name:<11} {len(plans):>5} {100 * np.median(rel):>9.2f} {100 * rel.mean():>7.2f} "
+              f"{100 * rel.max():>8.2f} {plans[worst].label[10:54]:<44} {statistics.median(durations):>6.2f} "
+              f"{run_pred:>7.2f} {1e3 * statistics.median(overheads):>7.2f}")
+    all_rel = np.asarray(all_rel)
+    print(f"all seed calls: median {100 * np.median(all_rel):.2f}%, MAPE {100 * all_rel.mean():.2f}%, "
+          f"worst {100 * all_rel.max():.2f}% (target median ≤ 5%, worst ≤ 15%)")
+    print(f"profile step overhead {1e3 * cost.step_overhead_s:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""One calibration: measure the grid on the real runner, fit, score, and build the profile."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from calibration.cost_model import FEATURES, CostModel, plan_features
+from calibration.fit import Errors, fit_nnls, split_heldout
+from calibration.grid import GRID_SPECS, build_grid
+from calibration.profiler import Measurement, ShapePool, make_runner, measure_overhead, measure_shapes, threads_of
+from calibration.roofline import Machine, ModelShape, measure_machine, roofline_s
+from engine.config import ModelConfig
+from engine.model_loader import config_fingerprint
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    grid: str = "full"
+    heldout_fraction: float = 0.25
+    repeats: int | None = None  # None: the grid's own
+    warmup: int = 1
+    overhead_runs: int = 2
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.grid not in GRID_SPECS:
+            raise ValueError(f"calibration.grid must be one of {tuple(GRID_SPECS)}, got {self.grid!r}")
+        if not 0.0 < self.heldout_fraction < 1.0:
+            raise ValueError("calibration.heldout_fraction must be in (0, 1)")
+
+
+@dataclass
+class Calibration:
+    """Everything a calibration produced; ``cost_model`` is what the simulator loads."""
+
+    cost_model: CostModel
+    measurements: list[Measurement]
+    heldout: np.ndarray
+    predicted_s: np.ndarray
+    roofline_s: np.ndarray
+    wall_s: float
+
+
+def fit_cost_model(measurements: list[Measurement], heldout: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Coefficients fitted on the rows not held out, and every row's prediction."""
+    X = np.asarray([plan_features(m.plan) for m in measurements])
+    y = np.asarray([m.median_s for m in measurements])
+    coef = fit_nnls(X[~heldout], y[~heldout])
+    return coef, X @ coef
+
+
+def error_table(measurements: list[Measurement], predicted: np.ndarray, baseline: np.ndarray,
+                heldout: np.ndarray) -> dict:
+    y = np.asarray([m.median_s for m in measurements])
+    kinds = np.asarray([m.shape.kind for m in measurements])
+    out = {"train": Errors.of(predicted[~heldout], y[~heldout]).to_dict(),
+           "heldout": Errors.of(predicted[heldout], y[heldout]).to_dict(),
+           "roofline_heldout": Errors.of(baseline[heldout], y[heldout]).to_dict(),
+           "by_kind_heldout": {}}
+    for kind in np.unique(kinds):
+        sel = heldout & (kinds == kind)
+        if sel.any():
+            out["by_kind_heldout"][str(kind)] = Errors.of(predicted[sel], y[sel]).to_dict()
+    out["heldout_mape"] = out["heldout"]["mape"]
+    out["heldout_max_error"] = out["heldout"]["max_error"]
+    out["heldout_r2"] = out["heldout"]["r2"]
+    return out
+
+
+def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibration:
+    t0 = time.perf_counter()
+    model_config = threads_of(model_config)
+    spec = GRID_SPECS[cfg.grid]
+    shapes = build_grid(spec)
+    max_len = max(s.max_len for s in shapes)
+    slots = max(spec.max_seqs, max(s.num_requests for s in shapes))
+    runner = make_runner(model_config, slots, max_len)
+    pool = ShapePool(runner, slots, max_len, seed=cfg.seed)
+    measurements, retried = measure_shapes(pool, shapes, cfg.repeats or spec.repeats, cfg.warmup, cfg.seed, cfg.progress)
+    pool.release()
+    overhead = measure_overhead(runner, min(8, slots), cfg.overhead_runs)
+    machine = measure_machine(runner.model.dtype)
+    mshape = ModelShape.of(runner.model)
+
+    heldout = split_heldout([m.shape.kind for m in measurements], cfg.heldout_fraction, cfg.seed)
+    coef, predicted = fit_cost_model(measurements, heldout)
+    baseline = np.asarray([roofline_s(m.plan, mshape, machine) for m in measurements])
+    fit = error_table(measurements, predicted, baseline, heldout)
+    y = np.asarray([m.median_s for m in measurements])
+    fit["measured_over_roofline_median"] = float(np.median(y / baseline))
+    wall = time.perf_counter() - t0
+
+    info = {
+        "model": {"name": model_config.name, "path": model_config.path, "dtype": model_config.dtype,
+                  "attention": model_config.attention, "shape": mshape.to_dict()},
+        "measured_on": {"device": "cpu", "cpu": platform.processor() or platform.machine(),
+                        "threads": model_config.num_threads, "torch": torch.__version__,
+                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                        "host": platform.node()},
+        "fit": fit,
+        "step_overhead": overhead.to_dict(),
+        "roofline": {"machine": machine.to_dict(), "heldout": fit["roofline_heldout"]},
+        "grid": {"name": cfg.grid, "spec": asdict(spec), "calls": len(measurements),
+                 "repeats": cfg.repeats or spec.repeats, "warmup": cfg.warmup, "wall_s": wall,
+                 "contended_retries": retried},
+        "measurements": [{"shape": m.shape.name, "kind": m.shape.kind, "tokens": m.plan.total_tokens,
+                          "requests": m.plan.num_requests, "samples": m.plan.num_samples,
+                          "median_s": m.median_s, "spread": m.spread, "times_s": list(m.times_s),
+                          "predicted_s": float(p), "roofline_s": float(b), "heldout": bool(h)}
+                         for m, p, b, h in zip(measurements, predicted, baseline, heldout)],
+    }
+    model = CostModel(tuple(float(c) for c in coef), overhead.median_s, FEATURES,
+                      config_fingerprint(model_config), info)
+    return Calibration(model, measurements, heldout, predicted, baseline, wall)
+
+
+def heldout_machine(profile_info: dict) -> Machine:
+    m = profile_info["roofline"]["machine"]
+    return Machine(m["bandwidth_bytes_s"], m["matmul_flops_s"])

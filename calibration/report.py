@@ -1,0 +1,60 @@
+"""The calibration's report: a table of fit errors and a figure of predicted vs measured calls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _row(name: str, e: dict) -> str:
+    return (f"{name:<22} {e['n']:>5} {100 * e['mape']:>8.2f} {100 * e['median_error']:>10.2f} "
+            f"{100 * e['max_error']:>9.2f} {e['r2']:>7.3f}")
+
+
+def error_table_text(result) -> str:
+    """Per-call errors of the fit (train, held out, held out by kind) and of the roofline."""
+    info = result.cost_model.info
+    fit = info["fit"]
+    lines = [f"{'calls':<22} {'n':>5} {'MAPE %':>8} {'median %':>10} {'worst %':>9} {'R²':>7}",
+             _row("train", fit["train"]), _row("held out", fit["heldout"])]
+    lines += [_row(f"  held out {k}", e) for k, e in fit["by_kind_heldout"].items()]
+    lines.append(_row("roofline (held out)", fit["roofline_heldout"]))
+    machine = info["roofline"]["machine"]
+    ovh = info["step_overhead"]
+    lines.append(f"\nmachine: {machine['bandwidth_bytes_s'] / 1e9:.1f} GB/s, "
+                 f"{machine['matmul_flops_s'] / 1e9:.0f} GFLOP/s; measured/roofline median "
+                 f"{fit['measured_over_roofline_median']:.2f}")
+    lines.append(f"step overhead outside the model call: median {1e3 * ovh['median_s']:.2f} ms, "
+                 f"{100 * ovh['share_of_busy']:.1f}% of model time ({ovh['steps']} steps)")
+    grid = info["grid"]
+    lines.append(f"grid {grid['name']}: {grid['calls']} shapes × {grid['repeats']} repeats, "
+                 f"{grid['contended_retries']} contended calls re-measured, {grid['wall_s']:.1f} s")
+    return "\n".join(lines)
+
+
+def plot_calibration(result, path: Path) -> None:
+    """Left: predicted vs measured per call (log-log, fit and roofline). Right: relative residual
+    of the fit by call kind against the call's token count."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    df = pd.DataFrame(result.cost_model.info["measurements"])
+    df["split"] = np.where(df["heldout"], "held out", "fit")
+    df["residual %"] = 100 * (df["predicted_s"] - df["median_s"]) / df["median_s"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5))
+    sns.scatterplot(data=df, x="median_s", y="predicted_s", hue="kind", style="split", ax=ax1)
+    sns.scatterplot(data=df, x="median_s", y="roofline_s", color="grey", marker=".", ax=ax1, label="roofline")
+    lo, hi = df[["median_s", "predicted_s", "roofline_s"]].min().min(), df[["median_s", "predicted_s"]].max().max()
+    ax1.plot([lo, hi], [lo, hi], "k--", lw=1)
+    ax1.set(xscale="log", yscale="log", xlabel="measured s (median)", ylabel="predicted s",
+            title="per call: cost model and roofline vs measured")
+    sns.scatterplot(data=df, x="tokens", y="residual %", hue="kind", style="split", ax=ax2, legend=False)
+    ax2.axhline(0, color="k", lw=1)
+    ax2.set(xscale="symlog", title="fit residual by shape (tokens in the call)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

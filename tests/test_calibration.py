@@ -1,0 +1,161 @@
+"""Calibration: the fit, the plan features, the profile's guard, and the Hydra app end to end."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from calibration.calibrate import fit_cost_model
+from calibration.cost_model import FEATURES, SAMPLE_KNOTS, TOKEN_KNOTS, CostModel, ProfileMismatchError, \
+    plan_features, tents
+from calibration.fit import Errors, fit_nnls, split_heldout
+from calibration.grid import GRID_SPECS, Shape, build_grid
+from calibration.profiler import Measurement, step_overheads
+from calibration.roofline import Machine, ModelShape, call_work, roofline_s
+from engine.config import ModelConfig
+from engine.llm_engine import StepRecord
+from engine.model_loader import config_fingerprint
+from engine.plan import BatchPlan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def feature(plan: BatchPlan, name: str) -> float:
+    return plan_features(plan)[FEATURES.index(name)]
+
+
+def hand_plan() -> BatchPlan:
+    # two decodes at contexts 10 and 20; chunks: 5 tokens after 3 (no sample), a 4-token prompt
+    return BatchPlan("continuous", ("a", "b", "c", "d"), (1, 1, 5, 4), (10, 20, 3, 0),
+                     (True, True, False, True), num_decodes=2)
+
+
+def test_features_of_a_hand_made_mixed_plan():
+    p = hand_plan()
+    assert len(plan_features(p)) == len(FEATURES)
+    assert feature(p, "const") == 1
+    assert feature(p, "prefill_tokens") == 9
+    assert feature(p, "decode_tokens") == 2
+    assert feature(p, "decode_context") == 30
+    assert feature(p, "prefill_attention") == 5 * (3 + 2.5) + 4 * (0 + 2)
+    assert feature(p, "num_requests") == 4
+    # T = 11 lies between knots 8 and 12; S = 3 between 2 and 4
+    assert feature(p, "tokens@8") == pytest.approx(0.25) and feature(p, "tokens@12") == pytest.approx(0.75)
+    assert sum(plan_features(p)[FEATURES.index(f"tokens@{TOKEN_KNOTS[0]}"):][:len(TOKEN_KNOTS)]) == pytest.approx(1)
+    assert feature(p, "samples@2") == pytest.approx(0.5) and feature(p, "samples@4") == pytest.approx(0.5)
+
+
+def test_features_of_pure_decode_and_unsampled_prefill():
+    d = BatchPlan("static", ("a", "b", "c"), (1, 1, 1), (7, 8, 9), (True,) * 3, num_decodes=3)
+    assert (feature(d, "decode_tokens"), feature(d, "decode_context"), feature(d, "prefill_tokens")) == (3, 24, 0)
+    assert feature(d, "tokens@3") == 1 and feature(d, "samples@2") == 0.5
+    p = BatchPlan("continuous", ("a",), (128,), (256,), (False,), num_decodes=0)
+    assert feature(p, "prefill_attention") == 128 * (256 + 64)
+    assert feature(p, "tokens@128") == 1
+    assert all(feature(p, f"samples@{k}") == 0 for k in SAMPLE_KNOTS)  # no lm_head row
+
+
+def test_tents_interpolate_and_extrapolate_proportionally():
+    knots = (1, 2, 4)
+    assert tents(0, knots) == [0, 0, 0]
+    assert tents(3, knots) == [0, 0.5, 0.5]
+    assert tents(12, knots) == [0, 0, 3.0]
+
+
+def test_nnls_recovers_known_coefficients():
+    rng = np.random.default_rng(3)
+    X = np.column_stack([np.ones(300), rng.uniform(1, 256, 300), rng.uniform(0, 1e4, 300), rng.integers(1, 33, 300)])
+    truth = np.array([0.08, 3e-3, 0.0, 2e-3])
+    coef = fit_nnls(X, X @ truth)
+    np.testing.assert_allclose(coef, truth, rtol=1e-6, atol=1e-12)
+    noisy = X @ truth * rng.lognormal(0, 0.01, 300)
+    np.testing.assert_allclose(fit_nnls(X, noisy), truth, rtol=0.05, atol=1e-6)
+
+
+def test_fit_reproduces_a_known_cost_model_on_heldout_grid_plans():
+    shapes = build_grid(GRID_SPECS["full"])
+    ids = [f"r{i}" for i in range(64)]
+    truth = np.zeros(len(FEATURES))
+    for name, value in {"const": 0.05, "prefill_tokens": 3e-3, "decode_context": 2e-6, "num_requests": 1e-3,
+                        "tokens@2": 0.06, "samples@1": 0.04, "samples@32": 0.08}.items():
+        truth[FEATURES.index(name)] = value
+    known = CostModel(tuple(truth))
+    measurements = [Measurement(s, p := s.to_plan(ids), (known.predict(p),)) for s in shapes]
+    held = split_heldout([s.kind for s in shapes], 0.25)
+    _, predicted = fit_cost_model(measurements, held)
+    errors = Errors.of(predicted[held], [m.median_s for m in np.asarray(measurements)[held]])
+    assert errors.max_error < 1e-6 and errors.r2 > 0.999999
+
+
+def test_heldout_split_keeps_every_kind_on_both_sides():
+    kinds = ["decode"] * 8 + ["prefill"] * 8 + ["mixed"] * 4
+    held = split_heldout(kinds, 0.25, seed=1)
+    for kind in ("decode", "prefill", "mixed"):
+        sel = np.asarray(kinds) == kind
+        assert 0 < held[sel].sum() < sel.sum()
+
+
+def test_grid_plans_are_valid_and_cover_every_kind():
+    for name, spec in GRID_SPECS.items():
+        shapes = build_grid(spec)
+        assert {s.kind for s in shapes} == {"decode", "prefill", "mixed"}
+        for s in shapes:
+            plan = s.to_plan([f"r{i}" for i in range(spec.max_seqs + 32)])
+            assert plan.total_tokens <= max(spec.max_batched_tokens, max(spec.prefill_chunks))
+            assert all(n == 1 for n in plan.num_tokens[:plan.num_decodes])
+            assert plan.phase == s.kind or (s.kind == "prefill" and plan.phase == "prefill")
+
+
+def test_profile_for_another_model_or_dtype_is_refused(tmp_path):
+    tiny = config_fingerprint(ModelConfig(name="tiny"))
+    path = tmp_path / "profile.json"
+    CostModel((0.01,) * len(FEATURES), 1e-4, FEATURES, tiny,
+              {"model": {"name": "tiny", "dtype": "float32"}}).save(path)
+    assert CostModel.load(path, expect_fingerprint=tiny).step_overhead_s == 1e-4
+    for other in (ModelConfig(name="qwen2_5_0_5b"), ModelConfig(name="tiny", dtype="bfloat16")):
+        with pytest.raises(ProfileMismatchError, match="tiny, float32"):
+            CostModel.load(path, expect_fingerprint=config_fingerprint(other))
+    data = json.loads(path.read_text())
+    data["feature_names"] = data["feature_names"][:6]
+    data["coefficients"] = data["coefficients"][:6]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileMismatchError, match="recalibrate"):
+        CostModel.load(path, expect_fingerprint=tiny)
+
+
+def test_step_overhead_is_time_outside_the_model_call_plus_the_gap():
+    plan = hand_plan()
+    steps = [StepRecord(plan, 0.0, 1.0, 0.9), StepRecord(plan, 1.05, 2.0, 0.9)]
+    assert step_overheads(steps) == pytest.approx([0.1 + 0.05, 0.05])
+
+
+def test_roofline_counts_weights_kv_and_flops():
+    shape = ModelShape(dense_params=1000, lm_head_params=500, bytes_per_param=4, kv_bytes_per_token=8,
+                       attn_flops_per_pair=16)
+    bytes_moved, flops = call_work(hand_plan(), shape)
+    kv_read = (10 + 1) + (20 + 1) + (3 + 5) + (0 + 4)
+    assert bytes_moved == (1000 + 500) * 4 + (kv_read + 11) * 8
+    pairs = (10 + 1) + (20 + 1) + 5 * (3 + 3) + 4 * (0 + 2.5)
+    assert flops == 2 * 1000 * 11 + 2 * 500 * 3 + 16 * pairs
+    assert roofline_s(hand_plan(), shape, Machine(1e3, 1e12)) == pytest.approx(bytes_moved / 1e3)
+
+
+def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "experiments.calibrate", "model=tiny", "calibration.grid=quick",
+                          "calibration.progress=false", f"hydra.run.dir={tmp_path}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "held out" in out.stdout and "roofline" in out.stdout
+    data = json.loads((tmp_path / "profile.json").read_text())
+    assert 0 <= data["fit"]["heldout_mape"] and 0 <= data["fit"]["heldout_max_error"]
+    assert data["fit"]["heldout_max_error"] >= data["fit"]["heldout"]["median_error"]
+    assert data["fingerprint"] == config_fingerprint(ModelConfig(name="tiny"))
+    assert data["measured_on"]["threads"] == 2 and data["model"]["dtype"] == "float32"
+    assert data["grid"]["calls"] == len(build_grid(GRID_SPECS["quick"])) == len(data["measurements"])
+    assert data["step_overhead"]["steps"] > 0
+    assert (tmp_path / "calibration.png").stat().st_size > 10_000
+    model = CostModel.load(tmp_path / "profile.json", expect_fingerprint=data["fingerprint"])
+    assert model.predict(hand_plan()) > 0 and model.step_overhead_s == data["step_overhead"]["median_s"]
