@@ -13,6 +13,7 @@ predicted from Σ(call + step overhead) against the measured one.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from dataclasses import replace
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from calibration.calibrate import CalibrationConfig, run_calibration
+from calibration.calibrate import CalibrationConfig, plan_record, run_calibration
 from calibration.cost_model import CostModel
 from calibration.profiler import step_overheads
 from engine.config import ModelConfig, SchedulerConfig
@@ -82,6 +83,7 @@ def main() -> None:
               f"{'run s':>6} {'pred s':>7} {'ovh ms':>7}")
     print(header)
     all_rel = []
+    calls: dict[str, list] = {}
     for name in ("serial", "static", "continuous"):
         engine.reset(replace(SEED_SCHEDULER, name=name))
         engine.warmup()
@@ -89,6 +91,8 @@ def main() -> None:
         predicted = np.asarray([cost.predict(p) for p in plans])
         rel = np.abs(predicted - measured) / measured
         all_rel += rel.tolist()
+        calls[name] = [{"plan": plan_record(p), "measured_s": float(m), "predicted_s": float(q)}
+                       for p, m, q in zip(plans, measured, predicted)]
         worst = int(rel.argmax())
         run_pred = predicted.sum() + cost.step_overhead_s * len(plans)
         print(f"{name:<11} {len(plans):>5} {100 * np.median(rel):>9.2f} {100 * rel.mean():>7.2f} "
@@ -97,6 +101,8 @@ def main() -> None:
     all_rel = np.asarray(all_rel)
     print(f"all seed calls: median {100 * np.median(all_rel):.2f}%, MAPE {100 * all_rel.mean():.2f}%, "
           f"worst {100 * all_rel.max():.2f}% (target median ≤ 5%, worst ≤ 15%)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "seed_calls.json").write_text(json.dumps(calls) + "\n")
     print(f"profile step overhead {1e3 * cost.step_overhead_s:.2f} ms")
 
 

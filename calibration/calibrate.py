@@ -112,6 +112,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
                  "contended_retries": retried},
         "measurements": [{"shape": m.shape.name, "kind": m.shape.kind, "tokens": m.plan.total_tokens,
                           "requests": m.plan.num_requests, "samples": m.plan.num_samples,
+                          "plan": plan_record(m.plan),
                           "median_s": m.median_s, "spread": m.spread, "times_s": list(m.times_s),
                           "predicted_s": float(p), "roofline_s": float(b), "heldout": bool(h)}
                          for m, p, b, h in zip(measurements, predicted, baseline, heldout)],
@@ -119,6 +120,12 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     model = CostModel(tuple(float(c) for c in coef), overhead.median_s, FEATURES,
                       config_fingerprint(model_config), info)
     return Calibration(model, measurements, heldout, predicted, baseline, wall)
+
+
+def plan_record(plan) -> dict:
+    """Enough of a plan to rebuild it (refits and checks read profiles without re-measuring)."""
+    return {"num_tokens": list(plan.num_tokens), "context_lens": list(plan.context_lens),
+            "samples": list(plan.samples), "num_decodes": plan.num_decodes}
 
 
 def heldout_machine(profile_info: dict) -> Machine:

@@ -91,7 +91,7 @@ class CostModel:
 
     def predict(self, plan: BatchPlan) -> float:
         """Duration of the model call that executes ``plan``, in seconds."""
-        return sum(c * x for c, x in zip(self.coefficients, plan_features(plan)))
+        return sum(c * x for c, x in zip(self.coefficients, plan_features(plan)) if x)
 
     def predict_features(self, rows: Sequence[Sequence[float]]) -> list[float]:
         return [sum(c * x for c, x in zip(self.coefficients, row)) for row in rows]
