@@ -1,0 +1,173 @@
+"""Our engine (continuous and static) against transformers' own generation, in one process.
+
+Same model object (same seeded weights), dtype, thread count and requests for every system:
+- ``engine CB`` / ``engine static``: miniserve's Engine.run with the continuous / static scheduler.
+- ``HF generate``: ``model.generate`` on FCFS groups of ``max_num_seqs`` requests, left-padded;
+  each group runs to its longest output, only each request's own tokens are counted.
+- ``HF CB``: transformers' continuous batching (``init_continuous_batching``, sdpa attention,
+  explicit blocks and batch limits, no CUDA graphs), per-request ``max_new_tokens``.
+Greedy, EOS disabled, so every system generates exactly the requested tokens (checked).
+Workloads: the seed burst, and 32 requests (prompts lognormal ~256, outputs lognormal ~64) as a burst.
+
+    flock /tmp/miniserve-bench.lock python benchmarks/engine_vs_hf.py [--dtype bfloat16] [--threads 2]
+
+The last line is ``engine_vs_hf_cb=<engine CB tok/s ÷ HF CB tok/s>`` on the long-prompt workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+from engine.attention import ATTN_IMPLEMENTATION
+from engine.config import ModelConfig, SchedulerConfig
+from engine.llm_engine import Engine
+from engine.request import Request
+from engine.workload import LengthDist, WorkloadConfig, generate, make_requests
+
+WORKLOADS = {
+    "seed": (WorkloadConfig(), SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)),
+    "long": (WorkloadConfig(num_requests=32,
+                            prompt=LengthDist(kind="lognormal", value=256, sigma=0.6, max=1536),
+                            output=LengthDist(kind="lognormal", value=64, sigma=0.6, max=384)),
+             SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, long_prefill_token_threshold=512)),
+}
+
+
+def fresh(requests: list[Request]) -> list[Request]:
+    return [Request(r.request_id, list(r.prompt_token_ids), r.max_tokens) for r in requests]
+
+
+def run_engine(engine: Engine, sched: SchedulerConfig, requests: list[Request]) -> tuple[float, dict]:
+    engine.reset(sched)
+    result = engine.run(fresh(requests))
+    outputs = {r.request_id: list(r.output_token_ids) for r in engine.state.finished[-len(requests):]}
+    return result.duration_s, outputs
+
+
+def run_hf_generate(model, sched: SchedulerConfig, requests: list[Request]) -> tuple[float, dict]:
+    outputs = {}
+    start = time.perf_counter()
+    for g in range(0, len(requests), sched.max_num_seqs):
+        group = requests[g:g + sched.max_num_seqs]
+        width = max(r.num_prompt_tokens for r in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for i, r in enumerate(group):
+            ids[i, width - r.num_prompt_tokens:] = torch.tensor(list(r.prompt_token_ids))
+            mask[i, width - r.num_prompt_tokens:] = 1
+        new = max(r.max_tokens for r in group)
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=GenerationConfig(
+            do_sample=False, max_new_tokens=new, min_new_tokens=new, eos_token_id=None, pad_token_id=0))
+        assert out.shape[1] == width + new, "HF generate stopped early"
+        for i, r in enumerate(group):
+            outputs[r.request_id] = out[i, width:width + r.max_tokens].tolist()
+    return time.perf_counter() - start, outputs
+
+
+def run_hf_cb(model, sched: SchedulerConfig, requests: list[Request]) -> tuple[float, dict]:
+    page = 64
+    blocks = sum(-(-r.max_total_tokens // page) for r in requests) + sched.max_num_seqs
+    manager = model.init_continuous_batching(
+        generation_config=GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=1),
+        continuous_batching_config=ContinuousBatchingConfig(
+            page_size=page, num_blocks=blocks, max_batch_tokens=sched.max_num_batched_tokens,
+            max_requests_per_batch=sched.max_num_seqs, use_cuda_graph=False, auto_switch_to_flash=False))
+    manager.start()
+    try:
+        start = time.perf_counter()
+        for r in requests:
+            manager.add_request(list(r.prompt_token_ids), request_id=r.request_id, max_new_tokens=r.max_tokens,
+                                eos_token_id=-1)
+        outputs = {}
+        while len(outputs) < len(requests):
+            res = manager.get_result(timeout=60)
+            if res is None:
+                raise RuntimeError("HF continuous batching stalled")
+            if res.is_finished():
+                outputs[res.request_id] = list(res.generated_tokens)
+        duration = time.perf_counter() - start
+    finally:
+        manager.stop(block=True)
+    return duration, outputs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2_5_0_5b")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="seed workload repeats (median); long runs once")
+    ap.add_argument("--workloads", default="seed,long")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # psutil nags on CPU
+    names = args.workloads.split(",")
+    slots = max(WORKLOADS[w][1].max_num_seqs for w in names)  # the runner's KV slots are sized once
+    engine = Engine(SchedulerConfig(max_num_seqs=slots), ModelConfig(name=args.model, dtype=args.dtype, num_threads=args.threads))
+    model = engine.runner.model
+    vocab = engine.runner.vocab_size
+    print(f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()} torch={torch.__version__}")
+
+    def hf(fn):
+        def run(sched, reqs):
+            model.set_attn_implementation("sdpa")
+            try:
+                with torch.inference_mode():
+                    return fn(model, sched, reqs)
+            finally:
+                model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        return run
+
+    systems = {
+        "engine CB": lambda s, r: run_engine(engine, s, r),
+        "engine static": lambda s, r: run_engine(engine, SchedulerConfig(**{**s.__dict__, "name": "static"}), r),
+        "HF generate": hf(run_hf_generate),
+        "HF CB": hf(run_hf_cb),
+    }
+    ratio = {}
+    for wname in names:
+        wcfg, sched = WORKLOADS[wname]
+        requests = make_requests(generate(wcfg), vocab_size=vocab, seed=wcfg.seed)
+        want = {r.request_id: r.max_tokens for r in requests}
+        total = sum(want.values())
+        warm = make_requests(generate(WorkloadConfig(num_requests=sched.max_num_seqs)), vocab_size=vocab,
+                             prefix="warm")
+        repeats = args.repeats if wname == "seed" else 1
+        print(f"\n[{wname}] {len(requests)} requests, prompt tokens {sum(r.num_prompt_tokens for r in requests)}, "
+              f"output tokens {total}, max_num_seqs={sched.max_num_seqs} "
+              f"max_num_batched_tokens={sched.max_num_batched_tokens}")
+        tok_s, outs = {}, {}
+        for name, fn in systems.items():
+            fn(sched, warm)
+            times = []
+            for _ in range(repeats):
+                t, out = fn(sched, requests)
+                got = {k: len(v) for k, v in out.items()}
+                assert got == want, f"{name} generated {sum(got.values())} tokens, want {total}"
+                times.append(t)
+            tok_s[name] = total / statistics.median(times)
+            outs[name] = out
+            print(f"  {name:14s} {tok_s[name]:8.1f} output tok/s  ({statistics.median(times):.2f} s, "
+                  f"{total} tokens verified)", flush=True)
+        ref = outs["engine CB"]
+        for name in systems:
+            same = sum(outs[name][k] == ref[k] for k in ref)
+            print(f"  greedy outputs identical to engine CB: {name:14s} {same}/{len(ref)} requests")
+        best = max(tok_s["HF generate"], tok_s["HF CB"])
+        ratio[wname] = tok_s["engine CB"] / tok_s["HF CB"]
+        print(f"  engine CB / HF CB = {ratio[wname]:.2f}   engine CB / HF generate = "
+              f"{tok_s['engine CB'] / tok_s['HF generate']:.2f}   engine CB / best HF = "
+              f"{tok_s['engine CB'] / best:.2f}   engine static / HF generate = "
+              f"{tok_s['engine static'] / tok_s['HF generate']:.2f}")
+    key = "long" if "long" in ratio else next(iter(ratio))
+    print(f"engine_vs_hf_cb={ratio[key]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
