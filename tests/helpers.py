@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from engine.config import SchedulerConfig
 from engine.plan import BatchPlan
 from engine.request import Request
@@ -9,6 +11,7 @@ from engine.scheduler import make_scheduler
 from engine.state import ServingState
 
 SEED_OUTPUTS = (4, 16, 8, 12)
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def create_requests(num: int, prompt_len: int = 12, outputs=SEED_OUTPUTS, arrival_s: float = 0.0,

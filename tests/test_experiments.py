@@ -1,0 +1,122 @@
+"""The Hydra apps users drive: every config composes, bad overrides fail clearly, and a tiny
+sweep, validation and report run end to end."""
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from engine.config import SCHEDULER_NAMES
+from experiments.schema import to_object
+from experiments import bench, calibrate, report, run, seed, seed_http, serve, simulate, sweep, validate  # noqa: F401  (registers schemas)
+from sim.run import find_capacity  # noqa: F401
+from tests.helpers import REPO_ROOT
+
+CONF = str(REPO_ROOT / "conf")
+APPS = ["seed", "run", "simulate", "sweep", "validate", "calibrate", "serve", "bench", "seed_http", "report"]
+MODELS = ["tiny", "qwen2_5_0_5b"]
+WORKLOADS = ["seed_burst", "poisson", "gamma", "closed_loop"]
+
+
+def composed(app: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name=app, overrides=overrides)
+
+
+@pytest.mark.parametrize("app", APPS)
+def test_every_app_config_composes_into_its_schema(app):
+    cfg = composed(app, [])
+    obj = to_object(cfg)
+    assert type(obj).__name__.endswith("App")
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("scheduler", SCHEDULER_NAMES)
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_every_model_scheduler_workload_combination_composes(model, scheduler, workload):
+    for app in ("run", "simulate", "sweep"):
+        obj = to_object(composed(app, [f"model={model}", f"scheduler={scheduler}", f"workload={workload}"]))
+        assert obj.scheduler.name == scheduler and obj.model.name == model
+
+
+def test_trace_workload_needs_a_path_and_local_model_needs_a_path():
+    with pytest.raises((ConfigCompositionException, ValueError), match="path"):
+        to_object(composed("simulate", ["workload=trace"]))
+    with pytest.raises((ConfigCompositionException, ValueError), match="path"):
+        to_object(composed("run", ["model=local"]))
+
+
+@pytest.mark.parametrize("override,error", [
+    ("scheduler.max_num_seq=4", "max_num_seq"),
+    ("workload.rate=fast", "rate"),
+    ("backend=gpu", "backend must be one of"),
+    ("scheduler.name=fifo", "scheduler.name must be one of"),
+])
+def test_bad_sweep_overrides_fail_clearly(override, error):
+    with pytest.raises((ConfigCompositionException, ValueError), match=error):
+        to_object(composed("sweep", [override]))
+
+
+def test_unknown_group_option_fails_at_compose_time():
+    with pytest.raises(ConfigCompositionException, match="workload"):
+        composed("run", ["workload=nonexistent"])
+
+
+def run_app(module: str, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *overrides], capture_output=True, text=True,
+                          timeout=600, cwd=REPO_ROOT, check=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cal")
+    run_app("experiments.calibrate", "model=tiny", "model.num_threads=1", "calibration.grid=quick",
+            "calibration.progress=false", f"hydra.run.dir={out}")
+    return out / "profile.json"
+
+
+def test_tiny_sweep_real_and_simulated_then_report(tmp_path, tiny_profile):
+    common = ["model=tiny", "model.num_threads=1", "scheduler=static,continuous", "scheduler.max_num_seqs=4",
+              "workload.num_requests=10", "workload.rate=20,80", f"calibration.profile={tiny_profile}"]
+    run_app("experiments.sweep", "-m", "backend=sim", *common, f"hydra.sweep.dir={tmp_path / 'sim'}")
+    run_app("experiments.sweep", "-m", "backend=real", *common, f"hydra.sweep.dir={tmp_path / 'real'}")
+    jobs = sorted(p.parent for p in tmp_path.glob("*/*/job.json"))
+    assert len(jobs) == 8
+    for d in jobs:
+        job = json.loads((d / "job.json").read_text())
+        m = json.loads((d / "metrics.json").read_text())
+        assert m["completed"] == 10 and job["max_num_seqs"] == 4
+    out = run_app("experiments.report", f"sweep_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'report'}")
+    sweep_csv = pd.read_csv(tmp_path / "report" / "sweep.csv")
+    assert set(sweep_csv.backend) == {"sim", "real"} and len(sweep_csv) == 8
+    assert (tmp_path / "report" / "sweep_rate_curves.png").stat().st_size > 10_000
+    assert "sweep_rate_curves.png" in (tmp_path / "report" / "summary.md").read_text()
+    assert "summary.md" in out.stdout
+
+
+def test_tiny_validation_writes_the_error_table(tmp_path, tiny_profile):
+    out = run_app("experiments.validate", "model=tiny", "model.num_threads=1", f"calibration.profile={tiny_profile}",
+                  "matrix.schedulers=[static,continuous]", "matrix.max_num_seqs=[4]", "matrix.arrivals=[poisson]",
+                  "matrix.load_levels=[0.5]", f"hydra.run.dir={tmp_path}")
+    df = pd.read_csv(tmp_path / "validation.csv")
+    assert list(df.columns[:7]) == ["workload", "scheduler", "max_num_seqs", "metric", "real", "sim", "rel_error"]
+    assert set(df.workload) == {"seed_burst", "poisson@0.5"} and set(df.scheduler) == {"static", "continuous"}
+    assert len(df) == 4 * 9
+    # the burst's plans are the pure policy's in both runs, so its call counts agree exactly
+    burst_calls = df[(df.workload == "seed_burst") & (df.metric == "model_calls")]
+    assert (burst_calls.real == burst_calls.sim).all()
+    assert "median |err|" in out.stdout
+    report_dir = tmp_path / "report"
+    run_app("experiments.report", f"validate_dir={tmp_path}", f"hydra.run.dir={report_dir}")
+    assert (report_dir / "sim_vs_real.png").is_file()
+
+
+def test_report_with_nothing_to_read_says_so(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "experiments.report", f"hydra.run.dir={tmp_path}"],
+                         capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert out.returncode != 0 and "nothing to report" in out.stderr
