@@ -120,3 +120,13 @@ def test_report_with_nothing_to_read_says_so(tmp_path):
     out = subprocess.run([sys.executable, "-m", "experiments.report", f"hydra.run.dir={tmp_path}"],
                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert out.returncode != 0 and "nothing to report" in out.stderr
+
+
+@pytest.mark.parametrize("app,preset", [("validate", "quick_validate"), ("sweep", "cpu_sweep"), ("simulate", "seed"),
+                                        ("run", "seed"), ("sweep", "seed")])
+def test_experiment_presets_compose(app, preset):
+    obj = to_object(composed(app, [f"+experiment={preset}"]))
+    if preset == "seed":
+        assert obj.workload.arrival == "burst" and obj.workload.num_requests == 16 and obj.scheduler.max_num_seqs == 8
+    if preset == "quick_validate":
+        assert obj.matrix.max_num_seqs == [8]
