@@ -7,7 +7,8 @@ Then it serves the seed burst (16 requests, 12-token prompts, outputs 4,16,8,12,
 with serial, static and continuous batching on the real engine, ``--repeats`` times each (the
 plans are deterministic, so every call has one median duration), and prints per scheduler the
 per-call error of the cost model's prediction: median, MAPE, worst; and the run's total time
-predicted from Σ(call + step overhead) against the measured one.
+predicted from Σ(call + step overhead) against the measured one. Call timings during which
+other processes used the CPU (this machine is shared) are left out of each call's median.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from calibration.calibrate import CalibrationConfig, plan_record, run_calibration
+from calibration.contention import Interval
 from calibration.cost_model import CostModel
 from calibration.profiler import step_overheads
 from engine.config import ModelConfig, SchedulerConfig
@@ -34,23 +36,43 @@ SEED_WORKLOAD = WorkloadConfig(num_requests=16, prompt=LengthDist("fixed", value
 SEED_SCHEDULER = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, long_prefill_token_threshold=128)
 
 
-def serve(engine: Engine, repeats: int) -> tuple[list, np.ndarray, list[float], list[float]]:
-    """Plans of one run, each call's median model time over ``repeats`` runs, per-step overheads
-    and run durations."""
-    plans, times, overheads, durations = None, [], [], []
+def watch_contention(engine: Engine) -> list[bool]:
+    """Flag each model call during which other processes used the CPU (wraps this runner only)."""
+    flags: list[bool] = []
+    execute = engine.runner.execute
+
+    def timed(plan, requests, **kw):
+        with Interval() as iv:
+            out = execute(plan, requests, **kw)
+        flags.append(iv.contended)
+        return out
+
+    engine.runner.execute = timed
+    return flags
+
+
+def serve(engine: Engine, repeats: int, flags: list[bool]) -> tuple[list, np.ndarray, int, list[float], list[float]]:
+    """Plans of one run; each call's median model time over the ``repeats`` runs in which nobody
+    else used the CPU during it (all runs if none was quiet); how many call timings were left out;
+    per-step overheads; run durations."""
+    plans, times, quiet, overheads, durations = None, [], [], [], []
     for k in range(repeats):
         requests = make_requests(generate(SEED_WORKLOAD), vocab_size=engine.runner.vocab_size, seed=k)
+        flags.clear()
         result = engine.run(requests)
         engine.reset()
-        labels = [s.plan for s in result.steps]
         if plans is None:
-            plans = labels
-        assert [(p.request_ids, p.num_tokens, p.context_lens) for p in labels] == \
+            plans = [s.plan for s in result.steps]
+        assert [(s.plan.request_ids, s.plan.num_tokens, s.plan.context_lens) for s in result.steps] == \
             [(p.request_ids, p.num_tokens, p.context_lens) for p in plans], "schedules differ between runs"
         times.append([s.model_s for s in result.steps])
+        quiet.append([not f for f in flags])
         overheads += step_overheads(result.steps)
         durations.append(result.duration_s)
-    return plans, np.median(np.asarray(times), axis=0), overheads, durations
+    t, q = np.asarray(times), np.asarray(quiet)
+    medians = np.asarray([np.median(t[q[:, i], i]) if q[:, i].any() else np.median(t[:, i])
+                          for i in range(t.shape[1])])
+    return plans, medians, int((~q).sum()), overheads, durations
 
 
 def main() -> None:
@@ -78,16 +100,17 @@ def main() -> None:
           f"worst {100 * cost.info['fit']['heldout_max_error']:.2f}%")
 
     engine = Engine(SEED_SCHEDULER, model)
+    flags = watch_contention(engine)
     engine.warmup()
     header = (f"{'scheduler':<11} {'calls':>5} {'median %':>9} {'MAPE %':>7} {'worst %':>8} {'worst call':<44} "
-              f"{'run s':>6} {'pred s':>7} {'ovh ms':>7}")
+              f"{'run s':>6} {'pred s':>7} {'ovh ms':>7} {'contended':>5}")
     print(header)
     all_rel = []
     calls: dict[str, list] = {}
     for name in ("serial", "static", "continuous"):
         engine.reset(replace(SEED_SCHEDULER, name=name))
         engine.warmup()
-        plans, measured, overheads, durations = serve(engine, args.repeats)
+        plans, measured, contended, overheads, durations = serve(engine, args.repeats, flags)
         predicted = np.asarray([cost.predict(p) for p in plans])
         rel = np.abs(predicted - measured) / measured
         all_rel += rel.tolist()
@@ -97,7 +120,7 @@ def main() -> None:
         run_pred = predicted.sum() + cost.step_overhead_s * len(plans)
         print(f"{name:<11} {len(plans):>5} {100 * np.median(rel):>9.2f} {100 * rel.mean():>7.2f} "
               f"{100 * rel.max():>8.2f} {plans[worst].label[10:54]:<44} {statistics.median(durations):>6.2f} "
-              f"{run_pred:>7.2f} {1e3 * statistics.median(overheads):>7.2f}")
+              f"{run_pred:>7.2f} {1e3 * statistics.median(overheads):>7.2f} {contended:>5}")
     all_rel = np.asarray(all_rel)
     print(f"all seed calls: median {100 * np.median(all_rel):.2f}%, MAPE {100 * all_rel.mean():.2f}%, "
           f"worst {100 * all_rel.max():.2f}% (target median ≤ 5%, worst ≤ 15%)")

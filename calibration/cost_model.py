@@ -9,8 +9,9 @@ Torch-free, so the simulator can load a profile without the model. Features (per
   num_requests       requests in the call (per-request attention and packing overhead)
   tokens@K           tent basis on the call's total tokens T at knots K: the dense matmuls' cost as a
                      piecewise-linear function of T. Measured on this CPU it is not linear, not even
-                     monotone: T=1 runs matrix-vector kernels (~0.1 s on the 0.5B model), T=2 costs
-                     twice that, T=8 less than T=2, and from ~16 tokens it grows ~linearly.
+                     monotone: T=1 runs matrix-vector kernels (~0.15 s on the 0.5B model), T=2, 3
+                     and 7 cost up to three times that, T=4 and 8 less, and from ~16 tokens it grows
+                     ~linearly; so every small T is a knot.
   samples@K          the same on the number of sampled rows S (the lm_head matmul, skipped when S=0)
 Tents are ``max(0, 1 − |x − K_i| / gap)`` between neighbouring knots and ``x / K_last`` past the last,
 so a call larger than any measured one extrapolates proportionally (compute-bound).
@@ -26,8 +27,8 @@ from pathlib import Path
 
 from engine.plan import BatchPlan
 
-TOKEN_KNOTS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
-SAMPLE_KNOTS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+TOKEN_KNOTS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64, 128, 256)
+SAMPLE_KNOTS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
 BASE_FEATURES: tuple[str, ...] = ("const", "prefill_tokens", "decode_tokens", "decode_context",
                                   "prefill_attention", "num_requests")
 FEATURES: tuple[str, ...] = (BASE_FEATURES + tuple(f"tokens@{k}" for k in TOKEN_KNOTS)

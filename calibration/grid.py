@@ -73,8 +73,10 @@ GRID_SPECS: dict[str, GridSpec] = {
                       max_batched_tokens=64, max_seqs=8, repeats=3),
     "full": GridSpec(decode_batches=(1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32),
                      decode_contexts=(16, 128, 512, 1024),
-                     prefill_chunks=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256), prefill_contexts=(0, 128, 512),
-                     multi_prefill=((2, 12), (4, 12), (8, 12), (8, 32), (4, 64)), num_mixed=40,
+                     prefill_chunks=(1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64, 128, 256),
+                     prefill_contexts=(0, 128, 512),
+                     multi_prefill=((2, 12), (3, 12), (4, 12), (5, 12), (6, 12), (7, 12), (8, 12), (8, 32), (4, 64)),
+                     num_mixed=40,
                      max_batched_tokens=256, max_seqs=32, repeats=3),
 }
 

@@ -11,7 +11,6 @@ writes what a call after a real prefill would, without paying minutes of prefill
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from calibration.contention import Interval
 from calibration.grid import Shape
 from engine.config import ModelConfig, SchedulerConfig
 from engine.llm_engine import Engine
@@ -26,9 +26,6 @@ from engine.model_runner import ModelRunner
 from engine.plan import BatchPlan
 from engine.request import Request
 from engine.workload import LengthDist, WorkloadConfig, generate, make_requests
-
-
-CONTENDED_CPU_SHARE = 0.8  # of the threads' CPU: below it, a call was sharing the cores
 
 
 @dataclass(frozen=True)
@@ -63,12 +60,11 @@ class ShapePool:
             for store in runner.cache.keys + runner.cache.values:
                 store[:, :, 1:max_len + 1].normal_(generator=g)
 
-    def execute(self, plan: BatchPlan) -> tuple[float, float]:
-        """The call's duration, and the CPU time the process got per wall second during it."""
-        cpu = time.process_time()
-        wall = time.perf_counter()
-        duration = self.runner.execute(plan, self.requests).duration_s
-        return duration, (time.process_time() - cpu) / (time.perf_counter() - wall)
+    def execute(self, plan: BatchPlan) -> tuple[float, bool]:
+        """The call's duration, and whether other processes used the CPU meanwhile."""
+        with Interval() as iv:
+            duration = self.runner.execute(plan, self.requests).duration_s
+        return duration, iv.contended
 
     def release(self) -> None:
         self.runner.free(self.request_ids)
@@ -83,25 +79,22 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int, warmup: i
     """Warm-up passes, then ``repeats`` rounds over all shapes in a fresh random order each round,
     so slow spells on a shared machine spread over shapes instead of landing on one.
 
-    A call during which this process got much less CPU than its threads could use was sharing
-    the cores with someone else; it is measured again (up to ``max_retries``). Returns the
-    measurements and how many calls were retried.
+    A call during which other processes used the CPU is measured again (up to ``max_retries``).
+    Returns the measurements and how many calls were retried.
     """
     plans = [s.to_plan(pool.request_ids) for s in shapes]
     times: list[list[float]] = [[] for _ in shapes]
-    best_share = [0.0] * len(shapes)  # the CPU share a shape gets on quiet cores (tiny ops use one thread)
     rng = np.random.default_rng(seed)
     retried = 0
     bar = tqdm(total=len(shapes) * (warmup + repeats), desc="calibrating", unit="call", disable=not progress)
     for r in range(warmup + repeats):
         for i in rng.permutation(len(shapes)):
-            t, share = pool.execute(plans[i])
+            t, contended = pool.execute(plans[i])
             for _ in range(max_retries if r >= warmup else 0):
-                if share >= CONTENDED_CPU_SHARE * best_share[i]:
+                if not contended:
                     break
                 retried += 1
-                t, share = pool.execute(plans[i])
-            best_share[i] = max(best_share[i], share)
+                t, contended = pool.execute(plans[i])
             if r >= warmup:
                 times[i].append(t)
             bar.update()

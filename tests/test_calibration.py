@@ -42,16 +42,18 @@ def test_features_of_a_hand_made_mixed_plan():
     assert feature(p, "decode_context") == 30
     assert feature(p, "prefill_attention") == 5 * (3 + 2.5) + 4 * (0 + 2)
     assert feature(p, "num_requests") == 4
-    # T = 11 lies between knots 8 and 12; S = 3 between 2 and 4
-    assert feature(p, "tokens@8") == pytest.approx(0.25) and feature(p, "tokens@12") == pytest.approx(0.75)
+    # T = 11 lies halfway between knots 10 and 12; S = 3 is a knot
+    assert feature(p, "tokens@10") == pytest.approx(0.5) and feature(p, "tokens@12") == pytest.approx(0.5)
     assert sum(plan_features(p)[FEATURES.index(f"tokens@{TOKEN_KNOTS[0]}"):][:len(TOKEN_KNOTS)]) == pytest.approx(1)
-    assert feature(p, "samples@2") == pytest.approx(0.5) and feature(p, "samples@4") == pytest.approx(0.5)
+    assert feature(p, "samples@3") == 1 and feature(p, "samples@2") == 0
 
 
 def test_features_of_pure_decode_and_unsampled_prefill():
     d = BatchPlan("static", ("a", "b", "c"), (1, 1, 1), (7, 8, 9), (True,) * 3, num_decodes=3)
     assert (feature(d, "decode_tokens"), feature(d, "decode_context"), feature(d, "prefill_tokens")) == (3, 24, 0)
-    assert feature(d, "tokens@3") == 1 and feature(d, "samples@2") == 0.5
+    assert feature(d, "tokens@3") == 1 and feature(d, "samples@3") == 1
+    big = BatchPlan("static", tuple("abcdefghijkl"), (1,) * 12, (5,) * 12, (True,) * 12, num_decodes=12)
+    assert feature(big, "samples@8") == pytest.approx(0.5) and feature(big, "samples@16") == pytest.approx(0.5)
     p = BatchPlan("continuous", ("a",), (128,), (256,), (False,), num_decodes=0)
     assert feature(p, "prefill_attention") == 128 * (256 + 64)
     assert feature(p, "tokens@128") == 1
