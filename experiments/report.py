@@ -133,11 +133,14 @@ def build_report(app: ReportApp, out_dir: Path) -> Path:
     if app.seed_dir:
         seed_dir = Path(app.seed_dir)
         seed = json.loads((seed_dir / "seed.json").read_text())
+        if (seed_dir / "seed_sim.json").is_file():  # simulated rows beside the real ones
+            seed |= {f"{n} (sim)": r for n, r in json.loads((seed_dir / "seed_sim.json").read_text()).items()}
+        traces = {n: seed_dir / r["trace"] for n, r in seed.items()}  # each run's files sit beside its trace
         plot_seed_occupancy(seed, out_dir / "seed_occupancy.png")
         figure("Seed burst: busy time by active batch size", "seed_occupancy.png")
-        plot_active_over_time({n: seed_dir / r["trace"] for n, r in seed.items()}, out_dir / "seed_active.png")
+        plot_active_over_time(traces, out_dir / "seed_active.png")
         figure("Seed burst: active requests per model call", "seed_active.png")
-        plot_latency_cdfs({n: seed_dir / n for n in seed}, out_dir / "seed_latency_cdf.png")
+        plot_latency_cdfs({n: t.parent for n, t in traces.items()}, out_dir / "seed_latency_cdf.png")
         figure("Seed burst: latency CDFs", "seed_latency_cdf.png")
     if app.sweep_dir:
         df = load_sweep(Path(app.sweep_dir))

@@ -24,3 +24,26 @@ def format_seed_table(results: dict, max_num_seqs: int) -> str:
             f"{1000 * r['gap_s']:.1f}",
         ])
     return format_table(header, rows)
+
+
+def format_side_by_side(real: dict, sim: dict) -> str:
+    """Real and simulated seed rows next to each other, with the simulator's relative error."""
+
+    def err(r: float, s: float) -> str:
+        return f"{100 * (s - r) / r:+.1f}%" if r else "n/a"
+
+    header = ["scheduler", "metric", "real", "sim", "sim err"]
+    rows = []
+    for name, r in real.items():
+        s = sim[name]
+        for label, get, fmt in (
+            ("out tok/s", lambda x: x["output_throughput_tok_s"], "{:.2f}"),
+            ("model calls", lambda x: x["model_calls"], "{:d}"),
+            ("TTFT p50 s", lambda x: x["ttft_s"]["p50"], "{:.3f}"),
+            ("TTFT p99 s", lambda x: x["ttft_s"]["p99"], "{:.3f}"),
+            ("E2E p50 s", lambda x: x["e2e_s"]["p50"], "{:.3f}"),
+            ("E2E p99 s", lambda x: x["e2e_s"]["p99"], "{:.3f}"),
+            ("occupancy at max", lambda x: x["occupancy_at_max"], "{:.3f}"),
+        ):
+            rows.append([name, label, fmt.format(get(r)), fmt.format(get(s)), err(get(r), get(s))])
+    return format_table(header, rows)

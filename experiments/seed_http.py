@@ -22,10 +22,10 @@ from engine.bench_client import BenchConfig, fetch_model_info, run_bench, write_
 from engine.config import SCHEDULER_NAMES, ModelConfig, SchedulerConfig
 from engine.server import ServerConfig, parse_prometheus
 from engine.server_process import ServerProcess, free_port
-from engine.trace import summarize_trace
 from engine.workload import WorkloadConfig, generate, make_requests
 from experiments.report_table import format_seed_table
 from experiments.schema import register, to_object
+from experiments.seed import seed_row
 
 
 @dataclass
@@ -60,24 +60,14 @@ def run_scheduler_http(app: SeedHttpApp, name: str, out_dir: Path) -> dict:
     m = result.metrics
     if m["failed"]:
         raise RuntimeError(f"{name}: {m['failed']} requests failed: {m['errors']}")
-    trace = summarize_trace(trace_path, scheduler.max_num_seqs).to_dict()
     return {
-        "output_tokens": m["total_output_tokens"],
-        **{k: trace[k] for k in ("model_calls", "prefill_calls", "decode_calls", "calls_by_phase",
-                                 "active_histogram", "busy_s_by_active", "busy_s", "span_s",
-                                 "occupancy_at_max", "occupancy_below_max", "gap_s", "max_gap_s")},
-        "output_throughput_tok_s": m["output_throughput_tok_s"],
-        "duration_s": m["duration_s"],
-        "ttft_s": m["ttft_s"],
-        "e2e_s": m["e2el_s"],
-        "tpot_s": m["tpot_s"],
+        **seed_row(m, trace_path, scheduler.max_num_seqs, out_dir.parent),
         "engine_ttft_s": m["engine_ttft_s"],
         "engine_e2e_s": m["engine_e2el_s"],
         "http_overhead_ttft_s": m["http_overhead_ttft_s"],
         "http_overhead_e2el_s": m["http_overhead_e2el_s"],
         "server_generation_tokens": server_metrics.get("miniserve:generation_tokens_total"),
         "server_exit_code": exit_code,
-        "trace": f"{name}/{trace_path.name}",
     }
 
 

@@ -16,7 +16,7 @@ def run_seed(*overrides, check=True):
 
 
 def test_seed_app_on_tiny_model_writes_the_table_and_traces(tmp_path):
-    out = run_seed("model=tiny", f"hydra.run.dir={tmp_path}")
+    out = run_seed("model=tiny", "model.num_threads=1", f"hydra.run.dir={tmp_path}")
     data = json.loads((tmp_path / "seed.json").read_text())
     assert list(data) == ["serial", "static", "continuous"]
     for name, row in data.items():
@@ -31,6 +31,17 @@ def test_seed_app_on_tiny_model_writes_the_table_and_traces(tmp_path):
     assert data["serial"]["occupancy_at_max"] == 0.0
     assert data["continuous"]["occupancy_at_max"] > data["static"]["occupancy_at_max"]
     assert "continuous" in out.stdout and "out tok/s" in out.stdout
+    # the simulator ran the same scheduler code on the same burst: same calls and tokens
+    sim = json.loads((tmp_path / "seed_sim.json").read_text())
+    assert (tmp_path / "calibration" / "profile.json").is_file()
+    for name in data:
+        assert sim[name]["output_tokens"] == 160
+        assert sim[name]["model_calls"] == data[name]["model_calls"]
+        assert sim[name]["prefill_calls"] == data[name]["prefill_calls"]
+        assert (tmp_path / sim[name]["trace"]).is_file()
+    assert "real vs simulated" in out.stdout
+    for png in ("seed_occupancy.png", "seed_active.png", "seed_latency_cdf.png"):
+        assert (tmp_path / "report" / png).stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("override,message", [
@@ -41,7 +52,7 @@ def test_seed_app_on_tiny_model_writes_the_table_and_traces(tmp_path):
     ("model=nonexistent", "nonexistent"),
 ])
 def test_bad_overrides_fail_clearly(tmp_path, override, message):
-    out = run_seed("model=tiny", override, f"hydra.run.dir={tmp_path}", check=False)
+    out = run_seed("model=tiny", "simulate=false", override, f"hydra.run.dir={tmp_path}", check=False)
     assert out.returncode != 0
     assert message in out.stderr
     assert not (tmp_path / "seed.json").exists()
