@@ -5,14 +5,19 @@ per-step layout (``RaggedBatch``) reaches it as the ``attention_mask`` value of 
 that Qwen2Model passes through unchanged, so no global state is involved.
 
 Two backends, both exact:
-- ``ragged``: one SDPA per request over its own KV slot (work ∝ Σ n_i·K_i).
+- ``ragged``: all single-token entries (decodes) in ONE SDPA over a view of their slots' KV
+  (no copy: keys past each request's length are masked off), then one SDPA per prefill chunk over
+  its own slot (work ∝ Σ n_i·K_i).
 - ``masked``: one SDPA over all requests' KV concatenated, with a block-diagonal causal mask
   (work ∝ T·ΣK; wasteful on long prompts, fewer calls for many tiny decodes).
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -32,21 +37,33 @@ class RaggedBatch:
     write_slots: torch.Tensor  # (T,) slot of every packed token
     write_positions: torch.Tensor  # (T,) position of every packed token
     backend: str = "ragged"
+    num_decodes: int = 0  # leading single-token entries, attended in one batched call
+    decode_range: tuple[int, int] = (0, 0)  # slots [lo, hi) viewed by that call
+    decode_rows: torch.Tensor | None = None  # each decode's row in that view
+    decode_mask: torch.Tensor | None = None  # (hi - lo, 1, 1, max K): key j visible to row r
     chunk_masks: list[torch.Tensor | None] | None = None
     block_mask: torch.Tensor | None = None
 
     @classmethod
     def build(cls, slots: list[int], q_lens: list[int], ctx_lens: list[int], backend: str) -> RaggedBatch:
-        q_starts, pos, write_slots = [], [], []
-        start = 0
-        for slot, n, ctx in zip(slots, q_lens, ctx_lens):
-            q_starts.append(start)
-            start += n
-            pos.append(torch.arange(ctx, ctx + n))
-            write_slots.append(torch.full((n,), slot, dtype=torch.long))
-        batch = cls(slots, q_starts, q_lens, ctx_lens, torch.cat(write_slots), torch.cat(pos), backend)
+        q_starts = list(accumulate(q_lens, initial=0))[:-1]
+        lens = torch.tensor(q_lens)
+        # position of packed token t = t - q_start(request) + ctx(request), without a per-token loop
+        shift = torch.tensor([c - s for c, s in zip(ctx_lens, q_starts)]).repeat_interleave(lens)
+        positions = torch.arange(len(shift)) + shift
+        batch = cls(slots, q_starts, q_lens, ctx_lens, torch.tensor(slots).repeat_interleave(lens), positions,
+                    backend)
         if backend == "ragged":
             batch.chunk_masks = [_chunk_mask(n, ctx) for n, ctx in zip(q_lens, ctx_lens)]
+            d = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
+            if d:
+                lo, hi = min(slots[:d]), max(slots[:d]) + 1
+                rows = torch.tensor(slots[:d]) - lo
+                visible = torch.ones(hi - lo, dtype=torch.long)  # rows of other slots: any finite key
+                visible[rows] = torch.tensor(ctx_lens[:d]) + 1
+                mask = torch.arange(int(visible.max()))[None] < visible[:, None]
+                batch.num_decodes, batch.decode_range, batch.decode_rows = d, (lo, hi), rows
+                batch.decode_mask = mask[:, None, None]
         else:
             batch.block_mask = _block_diagonal_mask(q_lens, ctx_lens)
         return batch
@@ -79,15 +96,18 @@ class SlotKVCache:
 
     Quacks like a transformers Cache for what Qwen2Attention uses: ``update`` writes this
     step's keys/values into their slots and hands the whole layer store to the attention
-    function, which reads only each request's own range. Storage is allocated once (untouched
-    pages are not committed by the OS), so no step reallocates.
+    function, which reads only each request's own range. Storage is allocated once, so no step
+    reallocates.
     """
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype) -> None:
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        shape = (2, num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        # Anonymous memory is zero until written and committed only when touched: every key a
+        # batched decode reads past a request's length is finite, and nothing is cleared per step.
+        self._buffer = mmap.mmap(-1, math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+        store = torch.frombuffer(self._buffer, dtype=dtype).view(shape)
+        self.keys, self.values = list(store[0]), list(store[1])
         self.batch: RaggedBatch | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -110,14 +130,25 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                                              enable_gqa=True)
         return out.transpose(1, 2), None
     outs = []
-    for s, q0, n, c, mask in zip(b.slots, b.q_starts, b.q_lens, b.ctx_lens, b.chunk_masks):
+    d = b.num_decodes
+    if d:
+        lo, hi = b.decode_range
+        heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
+        # (1, H, d, D) -> (rows, KV heads, group, D): a decode's query heads that share a KV head
+        # become that head's "query length", so SDPA needs neither GQA expansion nor a copy of K/V.
+        q = query.new_zeros(hi - lo, kv_heads, heads // kv_heads, dim)
+        q[b.decode_rows] = query[0, :, :d].transpose(0, 1).reshape(d, kv_heads, heads // kv_heads, dim)
+        k_len = b.decode_mask.shape[-1]
+        out = F.scaled_dot_product_attention(q, key[lo:hi, :, :k_len], value[lo:hi, :, :k_len],
+                                             attn_mask=b.decode_mask, scale=scaling)
+        outs.append(out[b.decode_rows].reshape(1, d, heads, dim))
+    for s, q0, n, c, mask in zip(b.slots[d:], b.q_starts[d:], b.q_lens[d:], b.ctx_lens[d:], b.chunk_masks[d:]):
         k = key[s:s + 1, :, :c + n]
         v = value[s:s + 1, :, :c + n]
         outs.append(F.scaled_dot_product_attention(
             query[:, :, q0:q0 + n], k, v, attn_mask=mask, is_causal=(mask is None and n > 1),
-            scale=scaling, enable_gqa=True))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out.transpose(1, 2), None
+            scale=scaling, enable_gqa=True).transpose(1, 2))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, ragged_attention)

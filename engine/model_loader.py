@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import types
 from pathlib import Path
 
 import torch
@@ -39,6 +40,23 @@ def config_fingerprint(model_config: ModelConfig) -> str:
     shape = {k: cfg.get(k) for k in keys}
     shape["dtype"] = model_config.dtype
     return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def pack_linear_weights(model: PreTrainedModel) -> int:
+    """Give every Linear (lm_head included) a copy of its weight pre-packed for oneDNN, and run it
+    through oneDNN's linear with that copy: bf16 F.linear on this CPU repacks or falls back on
+    every call. Parameters stay as they are (state dict, shapes, tied embeddings); returns the
+    number of layers packed."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed_weight, self.bias,
+                                               "none", [], "")
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    for m in linears:
+        m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
+        m.forward = types.MethodType(forward, m)
+    return len(linears)
 
 
 def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, object | None]:
