@@ -1,27 +1,11 @@
-"""Typed Hydra schemas: the engine's own frozen config dataclasses, stored in a ConfigStore so a
-misspelt key or a wrong type fails at compose time, and ``__post_init__`` checks values."""
+"""Typed Hydra schemas: each app's dataclass (built from the engine's own frozen config
+dataclasses) goes into the ConfigStore, so a misspelt key or a wrong type fails at compose time,
+and ``__post_init__`` checks values when the config becomes objects."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
-
-from engine.config import SCHEDULER_NAMES, ModelConfig, SchedulerConfig
-from engine.workload import WorkloadConfig
-
-
-@dataclass
-class SeedApp:
-    """The seed's experiment: the same burst through each scheduler, each in a fresh process."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
-    schedulers: list[str] = field(default_factory=lambda: list(SCHEDULER_NAMES))
-    warmup: bool = True
-    profile: bool = True
 
 
 def _writable(node: DictConfig | ListConfig) -> DictConfig | ListConfig:
@@ -45,5 +29,3 @@ def to_object(cfg: DictConfig):
     """The composed config as the schema's dataclasses, with their value checks run."""
     return OmegaConf.to_object(cfg)
 
-
-register("seed_schema", SeedApp)
