@@ -103,7 +103,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
         "measured_on": {"device": "cpu", "cpu": platform.processor() or platform.machine(),
                         "threads": model_config.num_threads, "torch": torch.__version__,
                         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                        "host": platform.node()},
+                        "host": platform.node(), "engine_code": engine_code_version()},
         "fit": fit,
         "step_overhead": overhead.to_dict(),
         "roofline": {"machine": machine.to_dict(), "heldout": fit["roofline_heldout"]},
@@ -120,6 +120,23 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     model = CostModel(tuple(float(c) for c in coef), overhead.median_s, FEATURES,
                       config_fingerprint(model_config), info)
     return Calibration(model, measurements, heldout, predicted, baseline, wall)
+
+
+def engine_code_version() -> str:
+    """The git commit of the engine (``+dirty`` when engine/ has local changes): kernels change
+    costs without changing the model fingerprint, so a profile says which code it timed."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "engine"], cwd=root, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if dirty else "")
 
 
 def plan_record(plan) -> dict:

@@ -14,6 +14,7 @@ from pathlib import Path
 _STAT = Path("/proc/stat")
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 CONTENDED_SHARE = 0.15  # others' CPU, in cores, averaged over the call
+MIN_INTERVAL_S = 0.05  # /proc/stat counts in 10 ms ticks: shorter calls cannot be judged
 
 
 def _busy_s() -> float | None:
@@ -38,7 +39,7 @@ class Interval:
         return self
 
     def __exit__(self, *exc) -> None:
-        wall = time.perf_counter() - self._wall
+        wall = self.wall_s = time.perf_counter() - self._wall
         busy = _busy_s()
         if busy is None or self._busy is None or wall <= 0:
             self.others_cores = 0.0
@@ -47,4 +48,4 @@ class Interval:
 
     @property
     def contended(self) -> bool:
-        return self.others_cores > CONTENDED_SHARE
+        return self.wall_s >= MIN_INTERVAL_S and self.others_cores > CONTENDED_SHARE

@@ -54,7 +54,7 @@ def plot_calibration(result, path: Path) -> None:
             title="per call: cost model and roofline vs measured")
     sns.scatterplot(data=df, x="tokens", y="residual %", hue="kind", style="split", ax=ax2, legend=False)
     ax2.axhline(0, color="k", lw=1)
-    ax2.set(xscale="symlog", title="fit residual by shape (tokens in the call)")
+    ax2.set(xscale="log", title="fit residual by shape (tokens in the call)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
