@@ -73,7 +73,7 @@ class ModelRunner:
                 use_cache=False,
                 logits_to_keep=rows,
             ).logits[0]
-            next_tokens = logits.argmax(dim=-1)
+            next_tokens = logits.float().argmax(dim=-1)  # bf16 argmax is 4x slower than convert + argmax
         duration = time.perf_counter() - start
         result = StepResult(token_ids=tuple(next_tokens.tolist()), duration_s=duration)
         return (result, logits.float()) if return_logits else result
