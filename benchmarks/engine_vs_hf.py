@@ -1,6 +1,6 @@
 """Our engine (continuous and static) against transformers' own generation, in one process.
 
-Same model object (same seeded weights), dtype, thread count and requests for every system:
+Same seeded weights (a second, stock copy of the model for transformers), dtype, thread count and requests for every system:
 - ``engine CB`` / ``engine static``: miniserve's Engine.run with the continuous / static scheduler.
 - ``HF generate``: ``model.generate`` on FCFS groups of ``max_num_seqs`` requests, left-padded;
   each group runs to its longest output, only each request's own tokens are counted.
@@ -24,9 +24,9 @@ import time
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
-from engine.attention import ATTN_IMPLEMENTATION
 from engine.config import ModelConfig, SchedulerConfig
 from engine.llm_engine import Engine
+from engine.model_loader import load_model
 from engine.request import Request
 from engine.workload import LengthDist, WorkloadConfig, generate, make_requests
 
@@ -109,19 +109,17 @@ def main() -> None:
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # psutil nags on CPU
     names = args.workloads.split(",")
     slots = max(WORKLOADS[w][1].max_num_seqs for w in names)  # the runner's KV slots are sized once
-    engine = Engine(SchedulerConfig(max_num_seqs=slots), ModelConfig(name=args.model, dtype=args.dtype, num_threads=args.threads))
-    model = engine.runner.model
+    model_config = ModelConfig(name=args.model, dtype=args.dtype, num_threads=args.threads)
+    engine = Engine(SchedulerConfig(max_num_seqs=slots), model_config)
+    model, _ = load_model(model_config)  # the same seeded weights, stock transformers modules
+    model.set_attn_implementation("sdpa")
     vocab = engine.runner.vocab_size
     print(f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()} torch={torch.__version__}")
 
     def hf(fn):
         def run(sched, reqs):
-            model.set_attn_implementation("sdpa")
-            try:
-                with torch.inference_mode():
-                    return fn(model, sched, reqs)
-            finally:
-                model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            with torch.inference_mode():
+                return fn(model, sched, reqs)
         return run
 
     systems = {
