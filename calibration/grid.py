@@ -70,8 +70,8 @@ class GridSpec:
 GRID_SPECS: dict[str, GridSpec] = {
     "quick": GridSpec(decode_batches=(1, 2, 3, 4, 6, 8), decode_contexts=(8, 64),
                       prefill_chunks=(1, 2, 4, 8, 16, 32, 48), prefill_contexts=(0, 32),
-                      multi_prefill=((2, 12), (4, 12)), num_mixed=12,
-                      max_batched_tokens=64, max_seqs=8, repeats=3),
+                      multi_prefill=((2, 12), (4, 12), (8, 12)), num_mixed=12,
+                      max_batched_tokens=96, max_seqs=8, repeats=3),
     "full": GridSpec(decode_batches=(1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32),
                      decode_contexts=(16, 128, 512, 1024),
                      prefill_chunks=(1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64, 128, 256),
