@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
-from calibration.roofline import Machine, ModelShape, call_work, measure_machine, roofline_s
+from calibration.roofline import Machine, ModelShape, best_s, call_work, measure_machine, roofline_s
 from engine.config import ModelConfig, SchedulerConfig
 from engine.model_runner import ModelRunner
 from engine.plan import BatchPlan
@@ -31,16 +30,6 @@ SHAPES = {  # name: (prior context per request, tokens per request)
     "prefill 128": ([0], [128]),
     "prefill 512": ([0], [512]),
 }
-
-
-def best_s(fn, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 @torch.inference_mode()

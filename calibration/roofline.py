@@ -67,6 +67,17 @@ def roofline_s(plan: BatchPlan, shape: ModelShape, machine: Machine) -> float:
     return max(bytes_moved / machine.bandwidth_bytes_s, flops / machine.matmul_flops_s)
 
 
+def best_s(fn, repeats: int = 5) -> float:
+    """Fastest of ``repeats`` timed calls after one untimed: a machine's limit, not its noise."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
 def measure_machine(dtype, repeats: int = 5, mem_bytes: int = 512 << 20) -> Machine:
     """Best-of-``repeats`` read bandwidth (the faster of a matrix-vector product and a sum over
     a buffer far larger than cache: a decode reads weights that way) and matmul throughput on
@@ -74,13 +85,7 @@ def measure_machine(dtype, repeats: int = 5, mem_bytes: int = 512 << 20) -> Mach
     import torch
 
     def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return min(times)
+        return best_s(fn, repeats)
 
     with torch.inference_mode():
         esize = torch.empty((), dtype=dtype).element_size()

@@ -178,7 +178,6 @@ class EngineThread:
 
     def _drain(self, block: bool) -> bool:
         """Apply every pending arrival and cancellation; False once asked to stop."""
-        engine = self.engine
         drained = 0
         keep_going = True
         try:
@@ -255,7 +254,7 @@ class EngineThread:
         stats.num_waiting = len(engine.state.waiting)
         stats.num_running = len(engine.state.running)
         stats.kv_blocks_used = engine.state.kv.num_used
-        stats.kv_slots_used = len(engine.runner._slot_of)
+        stats.kv_slots_used = engine.runner.num_slots_used
 
     def _cancel_all(self, reason: str) -> None:
         for request_id in list(self._live):

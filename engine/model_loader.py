@@ -52,6 +52,8 @@ def pack_linear_weights(model: PreTrainedModel) -> int:
                                                "none", [], "")
         return y.view(*x.shape[:-1], y.shape[-1])
 
+    if model.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return 0  # oneDNN packing is a CPU path; elsewhere the stock linears run
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     for m in linears:
         m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)

@@ -31,6 +31,11 @@ class ModelRunner:
         self._free_slots = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
 
+    @property
+    def num_slots_used(self) -> int:
+        """KV slots held by requests now (the server's /metrics shows it)."""
+        return len(self._slot_of)
+
     def free(self, request_ids: Iterable[str]) -> None:
         """Return the KV slots of finished, aborted or preempted requests."""
         for rid in request_ids:

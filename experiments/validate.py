@@ -24,7 +24,6 @@ from hydra.core.hydra_config import HydraConfig
 
 from calibration.cost_model import CostModel
 from engine.config import ModelConfig, SchedulerConfig
-from engine.metrics import RequestRecord, summarize
 from engine.request import Request
 from engine.trace import parse_label, summarize_calls
 from engine.workload import WorkloadConfig, generate, make_requests

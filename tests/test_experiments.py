@@ -9,12 +9,10 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
-from omegaconf import OmegaConf
 
 from engine.config import SCHEDULER_NAMES
 from experiments.schema import to_object
 from experiments import bench, calibrate, report, run, seed, seed_http, serve, simulate, sweep, validate  # noqa: F401  (registers schemas)
-from sim.run import find_capacity  # noqa: F401
 from tests.helpers import REPO_ROOT
 
 CONF = str(REPO_ROOT / "conf")
