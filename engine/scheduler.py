@@ -124,7 +124,7 @@ class ContinuousScheduler(Scheduler):
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            if kv.grow(request.request_id, request.num_computed_tokens + 1) or reserve(request, 1):
+            if reserve(request, 1):
                 entries[request.request_id] = (1, request.num_computed_tokens, True, True)
                 budget -= 1
 
