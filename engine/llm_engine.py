@@ -26,6 +26,11 @@ class StepRecord:
     end_s: float
     model_s: float
 
+    @property
+    def trace_call(self) -> tuple[str, float, float]:
+        """(label, start_s, dur_s) of the model call, for engine.trace.write_chrome_trace."""
+        return self.plan.label, self.end_s - self.model_s, self.model_s
+
 
 @dataclass
 class RunResult:
@@ -35,6 +40,10 @@ class RunResult:
 
     def metrics(self, **slo) -> dict:
         return summarize(self.records, self.duration_s, **slo)
+
+    def trace_calls(self) -> list[tuple[str, float, float]]:
+        """(label, start_s, dur_s) per model call, as SimResult.trace_calls gives for a simulation."""
+        return [s.trace_call for s in self.steps]
 
 
 class Engine:

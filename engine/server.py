@@ -348,7 +348,7 @@ def serve(model: ModelConfig, scheduler: SchedulerConfig, server: ServerConfig) 
         if server.trace_path is not None:
             path = Path(server.trace_path)
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_chrome_trace(((s.plan.label, s.end_s - s.model_s, s.model_s) for s in thread.steps), path)
+            write_chrome_trace((s.trace_call for s in thread.steps), path)
             log.info("wrote %s (%d steps)", path, len(thread.steps))
 
     name = server.served_model_name or (Path(model.path).name if model.path else model.name)

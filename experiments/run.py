@@ -59,7 +59,7 @@ def run_inprocess(app: RunApp, out_dir: Path) -> dict:
     metrics = result.metrics(slo_ttft_s=app.slo_ttft_s, slo_tpot_s=app.slo_tpot_s)
     write_metrics_json(metrics, out_dir / "metrics.json")
     write_requests_csv(result.records, out_dir / "requests.csv")
-    write_chrome_trace(((s.plan.label, s.end_s - s.model_s, s.model_s) for s in result.steps),
+    write_chrome_trace(result.trace_calls(),
                        out_dir / "trace.json", process_name="miniserve-engine")
     with open(out_dir / "steps.csv", "w", newline="") as f:
         w = csv.writer(f)

@@ -87,7 +87,7 @@ def run_scheduler(model: ModelConfig, scheduler: SchedulerConfig, workload: Work
         _export_model_regions(prof, trace_path)
     else:
         result = engine.run(requests)
-        write_chrome_trace(((s.plan.label, s.end_s - s.model_s, s.model_s) for s in result.steps), trace_path)
+        write_chrome_trace(result.trace_calls(), trace_path)
     metrics = result.metrics()
     write_requests_csv(result.records, out_dir / "requests.csv")
     write_metrics_json(metrics, out_dir / "metrics.json")

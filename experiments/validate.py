@@ -137,8 +137,7 @@ def validate_row(engine, cost: CostModel, row: Row) -> tuple[dict, dict]:
     engine.warmup()
     real = engine.run(make_requests(generate(row.workload), vocab_size=engine.runner.vocab_size,
                                     seed=row.workload.seed))
-    real_m = with_trace(real.metrics(), [(s.plan.label, s.end_s - s.model_s, s.model_s) for s in real.steps],
-                        row.scheduler.max_num_seqs)
+    real_m = with_trace(real.metrics(), real.trace_calls(), row.scheduler.max_num_seqs)
     replay = [Request(r.request_id, range(r.prompt_tokens), r.output_tokens, arrival_s=r.arrival_s)
               for r in real.records]
     sim = simulate(replay, row.scheduler, lambda: CostModelTimer(cost), keep_steps=True)
