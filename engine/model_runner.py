@@ -9,6 +9,7 @@ import torch
 
 from engine.attention import RaggedBatch, SlotKVCache
 from engine.config import ModelConfig, SchedulerConfig
+from engine.fast_layers import LeanQwen2
 from engine.model_loader import load_model, pack_linear_weights
 from engine.plan import BatchPlan, StepResult
 from engine.request import Request
@@ -21,6 +22,8 @@ class ModelRunner:
         self.model_config = model_config
         self.model, self.tokenizer = load_model(model_config)
         pack_linear_weights(self.model)  # 1.3-4x faster linears at decode sizes, fp32 and bf16 alike
+        # the same arithmetic with less Python per layer (engine/fast_layers.py); stock elsewhere
+        self._lean = LeanQwen2(self.model) if LeanQwen2.supports(self.model) else None
         cfg = self.model.config
         self.vocab_size: int = cfg.vocab_size
         self.eos_token_id: int | None = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else None
@@ -54,6 +57,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: BatchPlan, requests: Mapping[str, Request], *,
                 return_logits: bool = False) -> StepResult | tuple[StepResult, torch.Tensor]:
+        plan.check_unique()  # two entries of one request would write the same KV slot
         self.free(plan.preempted_ids)
         token_ids: list[int] = []
         sample_rows: list[int] = []
@@ -70,14 +74,17 @@ class ModelRunner:
         rows = torch.tensor(sample_rows, dtype=torch.long)
         start = time.perf_counter()
         with torch.profiler.record_function(plan.label):
-            logits = self.model(
-                input_ids=input_ids,
-                position_ids=batch.positions[None],
-                attention_mask={"full_attention": batch, "sliding_attention": batch},
-                cache=self.cache,
-                use_cache=False,
-                logits_to_keep=rows,
-            ).logits[0]
+            if self._lean is not None:
+                logits = self._lean(input_ids, batch.positions, batch, self.cache, rows)
+            else:
+                logits = self.model(
+                    input_ids=input_ids,
+                    position_ids=batch.positions[None],
+                    attention_mask={"full_attention": batch, "sliding_attention": batch},
+                    cache=self.cache,
+                    use_cache=False,
+                    logits_to_keep=rows,
+                ).logits[0]
             next_tokens = logits.float().argmax(dim=-1)  # bf16 argmax is 4x slower than convert + argmax
         duration = time.perf_counter() - start
         result = StepResult(token_ids=tuple(next_tokens.tolist()), duration_s=duration)
