@@ -55,6 +55,24 @@ def tents(x: float, knots: tuple[int, ...]) -> list[float]:
     return out
 
 
+_TOKENS_AT = len(BASE_FEATURES)  # where each tent basis starts in FEATURES
+_SAMPLES_AT = _TOKENS_AT + len(TOKEN_KNOTS)
+
+
+def _tent_dot(x: float, knots: tuple[int, ...], coefficients: Sequence[float], at: int) -> float:
+    """``sum(coefficients[at + i] * tents(x, knots)[i])``, touching only the non-zero weights."""
+    if x <= 0:
+        return 0.0
+    if x <= knots[0]:
+        return coefficients[at] * x / knots[0]
+    if x >= knots[-1]:
+        return coefficients[at + len(knots) - 1] * x / knots[-1]
+    i = bisect_right(knots, x) - 1
+    lo, hi = knots[i], knots[i + 1]
+    w = (x - lo) / (hi - lo)
+    return coefficients[at + i] * (1.0 - w) + coefficients[at + i + 1] * w
+
+
 def plan_features(plan: BatchPlan) -> tuple[float, ...]:
     nd = plan.num_decodes
     ns, ctx = plan.num_tokens, plan.context_lens
@@ -80,6 +98,7 @@ class CostModel:
     feature_names: tuple[str, ...] = FEATURES
     fingerprint: str | None = None  # engine.model_loader.config_fingerprint of what was measured
     info: dict = field(default_factory=dict)  # fit errors, device, threads, torch version, date ...
+    _tents: dict[tuple[int, int], float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if tuple(self.feature_names) != FEATURES:
@@ -91,8 +110,27 @@ class CostModel:
             raise ValueError("cost coefficients and step overhead must be non-negative")
 
     def predict(self, plan: BatchPlan) -> float:
-        """Duration of the model call that executes ``plan``, in seconds."""
-        return sum(c * x for c, x in zip(self.coefficients, plan_features(plan)) if x)
+        """Duration of the model call that executes ``plan``, in seconds: the coefficients times
+        plan_features(plan), computed without building the feature row (the simulator calls this
+        once per step; at most two weights of each tent basis are non-zero)."""
+        c = self.coefficients
+        nd = plan.num_decodes
+        ns, ctx = plan.num_tokens, plan.context_lens
+        if nd == len(ns):
+            prefill_tokens, prefill_attention, samples, decode_context = 0, 0.0, nd, sum(ctx)
+        else:
+            prefill_tokens, prefill_attention = 0, 0.0
+            for n, k in zip(ns[nd:], ctx[nd:]):
+                prefill_tokens += n
+                prefill_attention += n * (k + n / 2)
+            samples, decode_context = nd + sum(plan.samples[nd:]), sum(ctx[:nd])
+        shape = (prefill_tokens + nd, samples)
+        tents = self._tents.get(shape)
+        if tents is None:
+            tents = self._tents[shape] = (_tent_dot(shape[0], TOKEN_KNOTS, c, _TOKENS_AT)
+                                          + _tent_dot(samples, SAMPLE_KNOTS, c, _SAMPLES_AT))
+        return (c[0] + c[1] * prefill_tokens + c[2] * nd + c[3] * decode_context + c[4] * prefill_attention
+                + c[5] * len(ns) + tents)
 
     def predict_features(self, rows: Sequence[Sequence[float]]) -> list[float]:
         return [sum(c * x for c, x in zip(self.coefficients, row)) for row in rows]

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from calibration.calibrate import fit_cost_model
 from calibration.cost_model import FEATURES, SAMPLE_KNOTS, TOKEN_KNOTS, CostModel, ProfileMismatchError, \
@@ -65,6 +67,21 @@ def test_tents_interpolate_and_extrapolate_proportionally():
     assert tents(0, knots) == [0, 0, 0]
     assert tents(3, knots) == [0, 0.5, 0.5]
     assert tents(12, knots) == [0, 0, 3.0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(entries=st.lists(st.tuples(st.integers(1, 600), st.integers(0, 3000), st.booleans()), min_size=1,
+                        max_size=70),
+       num_decodes=st.integers(0, 70), coefficients=st.lists(st.floats(0, 1), min_size=len(FEATURES),
+                                                             max_size=len(FEATURES)))
+def test_predict_is_the_coefficients_times_the_features(entries, num_decodes, coefficients):
+    nd = min(num_decodes, len(entries))
+    entries = [(1, c, True) for _, c, _ in entries[:nd]] + entries[nd:]
+    n, ctx, samples = zip(*entries)
+    plan = BatchPlan("continuous", tuple(f"r{i}" for i in range(len(entries))), n, ctx, samples, nd)
+    model = CostModel(tuple(coefficients))
+    expected = sum(c * x for c, x in zip(coefficients, plan_features(plan)))
+    assert model.predict(plan) == pytest.approx(expected, rel=1e-12, abs=1e-300)
 
 
 def test_nnls_recovers_known_coefficients():
