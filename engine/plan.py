@@ -6,13 +6,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BatchPlan:
     """One model call: ``{request_id: num_scheduled_tokens}`` plus the context each starts from.
 
     Entries are ordered decodes first, then prefill chunks. Parallel tuples rather than one
     object per entry keep the simulator fast; everything else is derived.
     ``samples[i]`` says whether entry i reaches the end of its sequence and so yields a token.
+    A request appearing twice is caught where it would do harm (``ModelRunner.execute``, and
+    the scheduler tests on every plan), not here: the simulator builds millions of plans.
     """
 
     scheduler: str
@@ -31,8 +33,10 @@ class BatchPlan:
             raise ValueError("BatchPlan must schedule at least one request")
         if not 0 <= self.num_decodes <= n:
             raise ValueError("num_decodes out of range")
-        if len(set(self.request_ids)) != n:
-            raise ValueError("a request appears twice in one BatchPlan")
+
+    def check_unique(self) -> None:
+        if len(set(self.request_ids)) != len(self.request_ids):
+            raise ValueError(f"a request appears twice in one BatchPlan: {self.request_ids}")
 
     @property
     def num_scheduled_tokens(self) -> Mapping[str, int]:

@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.lane import DecodeLane
 
 
 class RequestStatus(IntEnum):
@@ -27,6 +31,11 @@ class Request:
     ``num_computed_tokens`` catching up to ``num_tokens`` covers prefill, chunked prefill, decode
     and recompute after preemption alike, so no separate phase flag is needed. The simulator
     passes ``range(n)`` as the prompt: only its length matters there, and it costs no memory.
+
+    While the request decodes every step it sits in the state's DecodeLane, which keeps its
+    progress (computed tokens, outputs, token times) relative to the lane's step clock; the
+    properties below read it the same either way. ``output_token_ids`` holds sampled values
+    and so stays empty in simulation, where tokens have none.
     """
 
     request_id: str
@@ -36,12 +45,20 @@ class Request:
     ignore_eos: bool = True
     eos_token_id: int | None = None
     status: RequestStatus = RequestStatus.WAITING
-    num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
-    token_times_s: list[float] = field(default_factory=list)
     first_scheduled_s: float | None = None
     finished_s: float | None = None
     num_preemptions: int = 0
+    # progress, explicit; or, in a lane, minus the lane's clock (times: those before joining)
+    _computed: int = field(default=0, init=False, repr=False)
+    _num_output: int = field(default=0, init=False, repr=False)
+    _times: list[float] = field(default_factory=list, init=False, repr=False)
+    lane: DecodeLane | None = field(default=None, init=False, repr=False)
+    lane_joined: int = field(default=0, init=False, repr=False)  # the lane's clock when it joined
+    admit_seq: int = field(default=0, init=False, repr=False)  # running order: admission count
+    # (first index in token_times_s, count) of the tokens each stay in a lane gave: every gap
+    # inside a run but its first is one lane step (the simulator counts those per step)
+    lane_runs: list[tuple[int, int]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -53,17 +70,36 @@ class Request:
             raise ValueError(f"request {self.request_id}: arrival_s must be >= 0, got {self.arrival_s!r}")
 
     @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV is cached."""
+        lane = self.lane
+        return self._computed if lane is None else self._computed + lane.clock
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        if self.lane is not None:
+            raise RuntimeError(f"request {self.request_id} is in the decode lane, which owns its progress")
+        self._computed = value
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        lane = self.lane
+        return self._num_output if lane is None else self._num_output + lane.clock
+
+    @property
+    def token_times_s(self) -> list[float]:
+        """When each output token came out."""
+        lane = self.lane
+        return self._times if lane is None else self._times + lane.times_since(self.lane_joined)
 
     @property
     def num_tokens(self) -> int:
         """Tokens whose KV the request needs: prompt plus every output token so far."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + self.num_output_tokens
 
     @property
     def max_total_tokens(self) -> int:
@@ -72,7 +108,10 @@ class Request:
     @property
     def is_decoding(self) -> bool:
         """Everything but the newest output token is in the KV cache: one token to go."""
-        return bool(self.output_token_ids) and self.num_computed_tokens == self.num_tokens - 1
+        if self.lane is not None:
+            return True
+        n = self._num_output
+        return n > 0 and self._computed == len(self.prompt_token_ids) + n - 1
 
     def token_ids(self, start: int, count: int) -> list[int]:
         """Token ids ``[start, start + count)`` of prompt followed by output."""
@@ -83,13 +122,18 @@ class Request:
         out_start = max(0, start - n_prompt)
         return head + self.output_token_ids[out_start:start + count - n_prompt]
 
-    def append_output(self, token_id: int, now_s: float) -> None:
-        self.output_token_ids.append(token_id)
-        self.token_times_s.append(now_s)
+    def append_output(self, token_id: int | None, now_s: float) -> None:
+        """One sampled token (``None`` in simulation, where it has no value) at ``now_s``."""
+        if self.lane is not None:
+            raise RuntimeError(f"request {self.request_id} is in the decode lane, which owns its progress")
+        self._num_output += 1
+        self._times.append(now_s)
+        if token_id is not None:
+            self.output_token_ids.append(token_id)
 
     def stop_reason(self) -> RequestStatus | None:
         """The finished status this request has reached, if any."""
-        if len(self.output_token_ids) >= self.max_tokens:
+        if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if (not self.ignore_eos and self.eos_token_id is not None and self.output_token_ids
                 and self.output_token_ids[-1] == self.eos_token_id):

@@ -42,23 +42,17 @@ class StaticScheduler(Scheduler):
         if not state.running:
             return None
         members = state.running
+        if len(state.lane) == len(members):  # the whole group decodes
+            ids, contexts = state.lane.decode_part()
+            return BatchPlan(self.name, ids, (1,) * len(ids), contexts, (True,) * len(ids), len(ids))
         to_prefill = [r for r in members if r.num_computed_tokens == 0]
-        if to_prefill:
-            return BatchPlan(
-                scheduler=self.name,
-                request_ids=tuple(r.request_id for r in to_prefill),
-                num_tokens=tuple(r.num_tokens for r in to_prefill),
-                context_lens=(0,) * len(to_prefill),
-                samples=(True,) * len(to_prefill),
-                num_decodes=0,
-            )
         return BatchPlan(
             scheduler=self.name,
-            request_ids=tuple(r.request_id for r in members),
-            num_tokens=(1,) * len(members),
-            context_lens=tuple(r.num_computed_tokens for r in members),
-            samples=(True,) * len(members),
-            num_decodes=len(members),
+            request_ids=tuple(r.request_id for r in to_prefill),
+            num_tokens=tuple(r.num_tokens for r in to_prefill),
+            context_lens=(0,) * len(to_prefill),
+            samples=(True,) * len(to_prefill),
+            num_decodes=0,
         )
 
     def _admit_group(self, state: ServingState) -> None:
@@ -94,39 +88,55 @@ class ContinuousScheduler(Scheduler):
     def schedule(self, state: ServingState) -> BatchPlan | None:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        # id -> (tokens, context, samples, is_decode); insertion order puts decodes first
-        entries: dict[str, tuple[int, int, bool, bool]] = {}
+        kv, lane = state.kv, state.lane
+        lane_part: tuple[tuple[str, ...], tuple[int, ...]] | None = None  # every lane member decodes
+        decodes: dict[str, int] = {}  # otherwise: id -> context, request by request
+        prefills: dict[str, tuple[int, int, bool]] = {}  # id -> (tokens, context, samples)
         preempted: list[str] = []
-        kv = state.kv
 
         def reserve(request: Request, n: int) -> bool:
             """Blocks for ``n`` more tokens, preempting the newest running requests if needed."""
-            nonlocal budget
+            nonlocal budget, lane_part
             while not kv.grow(request.request_id, request.num_computed_tokens + n):
+                if lane_part is not None:  # preemption is request by request: unpack the lane
+                    decodes.update(zip(*lane_part))
+                    lane_part = None
+                    lane.flush()
                 victim = state.running[-1]
                 state.preempt(victim)
                 preempted.append(victim.request_id)
-                undone = entries.pop(victim.request_id, None)
-                if undone is not None:
-                    budget += undone[0]
+                if victim.request_id in decodes:
+                    del decodes[victim.request_id]
+                    budget += 1
+                elif victim.request_id in prefills:
+                    budget += prefills.pop(victim.request_id)[0]
                 if victim is request:
                     return False
             return True
 
-        # Split once: preemption below only removes requests (newest first), and it leaves the
-        # decode/prefill split of the others unchanged, so each pass sees what it always saw.
-        decoding, prefilling = [], []
-        for request in state.running:
-            (decoding if request.is_decoding else prefilling).append(request)
-
-        for request in decoding:
-            if budget == 0:
-                break
-            if request.status != RequestStatus.RUNNING:  # preempted earlier in this step
-                continue
-            if reserve(request, 1):
-                entries[request.request_id] = (1, request.num_computed_tokens, True, True)
-                budget -= 1
+        # Decodes first, one token each in running order. When the budget and the free blocks
+        # cover them all, that is the whole lane at once (the common case); otherwise request by
+        # request, preempting the newest running requests when blocks run out.
+        num_lane = len(lane.members)
+        if num_lane and budget >= num_lane and state.grow_lane():
+            lane_part = lane.decode_part()
+            budget -= num_lane
+            prefilling = [r for r in state.running if r.lane is None] if num_lane < len(state.running) else []
+        else:
+            lane.flush()
+            # Split once: preemption below only removes requests (newest first), and it leaves the
+            # decode/prefill split of the others unchanged, so each pass sees what it always saw.
+            decoding, prefilling = [], []
+            for request in state.running:
+                (decoding if request.is_decoding else prefilling).append(request)
+            for request in decoding:
+                if budget == 0:
+                    break
+                if request.status != RequestStatus.RUNNING:  # preempted earlier in this step
+                    continue
+                if reserve(request, 1):
+                    decodes[request.request_id] = request.num_computed_tokens
+                    budget -= 1
 
         for request in prefilling:
             if budget == 0:
@@ -136,7 +146,7 @@ class ContinuousScheduler(Scheduler):
             remaining = request.num_tokens - request.num_computed_tokens
             n = min(remaining, cfg.long_prefill_token_threshold, budget)
             if reserve(request, n):
-                entries[request.request_id] = (n, request.num_computed_tokens, n == remaining, False)
+                prefills[request.request_id] = (n, request.num_computed_tokens, n == remaining)
                 budget -= n
 
         if not preempted:  # as vLLM: no admissions in a step that had to preempt
@@ -147,28 +157,20 @@ class ContinuousScheduler(Scheduler):
                 if not kv.grow(request.request_id, n):
                     break
                 state.admit(request)
-                entries[request.request_id] = (n, 0, n == remaining, False)
+                prefills[request.request_id] = (n, 0, n == remaining)
                 budget -= n
 
-        if not entries:
+        decode_ids, contexts = lane_part if lane_part is not None else (tuple(decodes), tuple(decodes.values()))
+        if not decode_ids and not prefills:
             return None
-        return self._plan(state, entries, preempted)
-
-    def _plan(self, state: ServingState, entries: dict[str, tuple[int, int, bool, bool]],
-              preempted: list[str]) -> BatchPlan:
-        num_tokens, context_lens, samples, is_decode = zip(*entries.values())
-        plan = BatchPlan(
-            scheduler=self.name,
-            request_ids=tuple(entries),  # decodes were entered first, so they lead
-            num_tokens=num_tokens,
-            context_lens=context_lens,
-            samples=samples,
-            num_decodes=sum(is_decode),
-            preempted_ids=tuple(preempted),
-        )
-        assert plan.total_tokens <= self.config.max_num_batched_tokens
-        assert len(state.running) <= self.config.max_num_seqs
-        return plan
+        nd = len(decode_ids)
+        if prefills:
+            chunks, chunk_contexts, chunk_samples = zip(*prefills.values())
+            plan = BatchPlan(self.name, decode_ids + tuple(prefills), (1,) * nd + chunks,
+                             contexts + chunk_contexts, (True,) * nd + chunk_samples, nd, tuple(preempted))
+        else:
+            plan = BatchPlan(self.name, decode_ids, (1,) * nd, contexts, (True,) * nd, nd, tuple(preempted))
+        return plan  # within max_num_batched_tokens and max_num_seqs: tests check every plan
 
 
 SCHEDULERS: dict[str, type[Scheduler]] = {

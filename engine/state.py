@@ -6,6 +6,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from engine.config import SchedulerConfig
+from engine.lane import DecodeLane
 from engine.plan import BatchPlan
 from engine.request import Request, RequestStatus
 
@@ -46,7 +47,11 @@ class KVBlockPool:
 
 
 class ServingState:
-    """Waiting, running and finished requests. Schedulers read and admit; ``apply`` advances."""
+    """Waiting, running and finished requests. Schedulers read and admit; ``apply`` advances.
+
+    Running requests that decode sit in ``lane`` as well (see engine/lane.py): a step whose plan
+    decodes every lane member advances them all at once.
+    """
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -55,6 +60,8 @@ class ServingState:
         self.running: list[Request] = []
         self.finished: list[Request] = []
         self.requests: dict[str, Request] = {}  # every request not yet finished, by id
+        self.lane = DecodeLane(config.block_size)
+        self._num_admitted = 0
 
     # --- arrivals ------------------------------------------------------------------------------
     def validate(self, request: Request) -> None:
@@ -88,10 +95,28 @@ class ServingState:
             raise ValueError("only the head of the waiting queue can be admitted")
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
+        self._num_admitted += 1
+        request.admit_seq = self._num_admitted
         self.running.append(request)
+
+    def grow_lane(self) -> bool:
+        """KV for one more token of every lane member, or False (and no change) if blocks are short."""
+        needing = self.lane.needing_block()
+        if needing:
+            kv = self.kv
+            if len(needing) > kv.num_free:
+                return False
+            held = kv.held
+            for request in needing:  # its blocks are full: the next token takes exactly one more
+                held[request.request_id] += 1
+            kv.num_free -= len(needing)
+            self.lane.got_block()
+        return True
 
     def preempt(self, request: Request) -> None:
         """Free the request's KV and put it back at the head of the queue to recompute later."""
+        if request.lane is not None:
+            request.lane.leave(request)
         self.running.remove(request)
         self.kv.release(request.request_id)
         request.num_computed_tokens = 0
@@ -116,12 +141,37 @@ class ServingState:
               end_s: float) -> list[Request]:
         """Advance every scheduled request; ``token_ids`` (None in simulation) go to sampling entries.
 
-        Returns the requests that finished in this step.
+        Returns the requests that finished in this step, in plan order.
         """
-        requests = self.requests
+        lane = self.lane
         finished: list[Request] = []
-        k = 0
-        for request_id, n, sampled in zip(plan.request_ids, plan.num_tokens, plan.samples):
+        first = 0  # plan entries before this were the lane's
+        if lane.planned(plan.num_decodes):
+            first = plan.num_decodes
+            stopped = []
+            if token_ids is not None:
+                for request, token in zip(lane.members, token_ids):
+                    request.output_token_ids.append(token)
+                    if token == request.eos_token_id and not request.ignore_eos:
+                        stopped.append(request)
+            done = lane.advance(end_s)
+            for request in stopped:
+                if request not in done:
+                    done.append(request)
+            if stopped:
+                done.sort(key=lambda r: r.admit_seq)
+            for request in done:
+                self.running.remove(request)
+                self._finish(request, request.stop_reason(), end_s)
+            finished += done
+        else:  # request by request (lane.flush() wrote the members' progress back)
+            lane.flush()
+        if first == len(plan.request_ids):  # the lane was the whole plan
+            return finished
+        requests = self.requests
+        joining: list[Request] = []
+        k = first
+        for request_id, n, sampled in zip(plan.request_ids[first:], plan.num_tokens[first:], plan.samples[first:]):
             request = requests.get(request_id)
             if request is None:  # aborted while the call ran
                 k += sampled
@@ -130,16 +180,26 @@ class ServingState:
                 request.first_scheduled_s = start_s
             request.num_computed_tokens += n
             if sampled:
-                request.append_output(token_ids[k] if token_ids is not None else 0, end_s)
+                request.append_output(token_ids[k] if token_ids is not None else None, end_s)
                 k += 1
                 reason = request.stop_reason()
                 if reason is not None:
                     self.running.remove(request)
                     self._finish(request, reason, end_s)
                     finished.append(request)
+                    continue
+            if request.is_decoding:  # sampled, or recomputed up to its newest token
+                joining.append(request)
+        if not first:  # decoders the plan left out (budget or preemption) rejoin as well
+            joining = [r for r in self.running if r.is_decoding]
+        held = self.kv.held
+        for request in joining:
+            lane.join(request, held[request.request_id])
         return finished
 
     def _finish(self, request: Request, status: RequestStatus, now_s: float) -> None:
+        if request.lane is not None:
+            request.lane.leave(request)
         request.status = status
         request.finished_s = now_s
         self.kv.release(request.request_id)
@@ -156,5 +216,8 @@ class ServingState:
         for r in self.running:
             assert r.status == RequestStatus.RUNNING
             assert kv.held.get(r.request_id, 0) >= kv.blocks_for(r.num_computed_tokens)
+            assert (r.lane is self.lane) == r.is_decoding  # between steps, every decoder is in the lane
+        assert [r.admit_seq for r in self.running] == sorted(r.admit_seq for r in self.running)
+        assert self.lane.members == [r for r in self.running if r.lane is not None]
         for r in self.waiting:
             assert r.request_id not in kv.held and r.num_computed_tokens == 0

@@ -32,6 +32,9 @@ def drain(config: SchedulerConfig, requests: list[Request], check: bool = True) 
         plan = scheduler.schedule(state)
         assert plan is not None, "work is waiting but nothing was scheduled"
         t += 1.0
+        plan.check_unique()
+        if config.name == "continuous":
+            assert plan.total_tokens <= config.max_num_batched_tokens
         state.apply(plan, None, t - 1.0, t)
         if check:
             state.check_invariants()

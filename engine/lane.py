@@ -1,0 +1,162 @@
+"""The decode lane: the running requests that decode one token every step, advanced together.
+
+Most request-steps of a serving run are decodes that all do the same thing: one token each,
+context one longer. The lane keeps each member's progress relative to one step clock, so a step
+that decodes every member updates the state in O(1) instead of once per member, and knows
+ahead of time which members finish (by length) and which need a new KV block at which step.
+That is what lets the simulator replay millions of requests; the real engine runs the same
+code, so both see identical plans. A member leaves (its progress written back) when it
+finishes, is preempted or aborted, or when a step does not decode every member.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+from engine.request import Request
+
+COMPACT_EVERY = 1 << 16  # steps between dropping token times no member needs any more
+
+
+class DecodeLane:
+    """Members in running order (admission order), with calendars of their next events."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.clock = 0  # steps advanced so far
+        self.members: list[Request] = []
+        self._seqs: list[int] = []  # members' admit_seq, sorted: where a joiner goes
+        self._ids: list[str] = []
+        self._offsets: list[int] = []  # computed tokens minus the clock
+        self._times: list[float] = []  # end time of each advance; index = clock - _times_base - 1
+        self._times_base = 0
+        self._finish_at: dict[int, list[Request]] = {}  # clock at which a member reaches max_tokens
+        self._block_at: dict[int, list[Request]] = {}  # clock at which a member has filled its blocks
+        self._block_due: dict[Request, int] = {}  # the same, by member
+        self._compact_at = COMPACT_EVERY
+        self._snapshot: tuple[int, int] | None = None  # (version, clock) of the last decode_part
+        self._num_joined_now = 0  # members that joined since the last advance
+        # the last advance: members whose previous token came from the advance before, and the gap
+        self.last_continuing = 0
+        self.last_gap_s = 0.0
+        self._version = 0
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def times_since(self, joined: int) -> list[float]:
+        """End times of the advances after clock ``joined``."""
+        return self._times[joined - self._times_base:]
+
+    # --- membership ---------------------------------------------------------------------------
+    def join(self, request: Request, held_blocks: int) -> None:
+        """Take over a decoding request's progress; ``held_blocks`` is its KV now."""
+        clock = self.clock
+        request._computed -= clock
+        request._num_output -= clock
+        request.lane, request.lane_joined = self, clock
+        i = bisect_left(self._seqs, request.admit_seq)
+        self._seqs.insert(i, request.admit_seq)
+        self.members.insert(i, request)
+        self._ids.insert(i, request.request_id)
+        self._offsets.insert(i, request._computed)
+        self._num_joined_now += 1
+        self._file(self._finish_at, request.max_tokens - request._num_output, request)
+        due = self._block_due[request] = held_blocks * self.block_size - request._computed
+        self._file(self._block_at, due, request)
+        self._version += 1
+
+    def leave(self, request: Request) -> None:
+        """Write the member's progress back onto it."""
+        if request.lane_joined == self.clock:
+            self._num_joined_now -= 1
+        i = bisect_left(self._seqs, request.admit_seq)
+        del self._seqs[i], self.members[i], self._ids[i], self._offsets[i]
+        self._unfile(self._finish_at, request.max_tokens - request._num_output, request)
+        self._unfile(self._block_at, self._block_due.pop(request), request)
+        self._write_back(request)
+        self._version += 1
+
+    def flush(self) -> None:
+        """Every member leaves: the step ahead treats each request on its own."""
+        if not self.members:
+            return
+        for request in self.members:
+            self._write_back(request)
+        for lst in (self._seqs, self.members, self._ids, self._offsets):
+            lst.clear()
+        self._finish_at.clear()
+        self._block_at.clear()
+        self._block_due.clear()
+        self._num_joined_now = 0
+        self._version += 1
+
+    def _write_back(self, request: Request) -> None:
+        clock = self.clock
+        request._computed += clock
+        request._num_output += clock
+        if clock > request.lane_joined:
+            request.lane_runs.append((len(request._times), clock - request.lane_joined))
+            request._times += self.times_since(request.lane_joined)
+        request.lane = None
+
+    @staticmethod
+    def _file(calendar: dict[int, list[Request]], at: int, request: Request) -> None:
+        calendar.setdefault(at, []).append(request)
+
+    @staticmethod
+    def _unfile(calendar: dict[int, list[Request]], at: int, request: Request) -> None:
+        filed = calendar[at]
+        filed.remove(request)
+        if not filed:
+            del calendar[at]
+
+    # --- one step -------------------------------------------------------------------------------
+    def needing_block(self) -> list[Request]:
+        """Members whose next token needs one more KV block (their blocks are full)."""
+        return self._block_at.get(self.clock, [])
+
+    def got_block(self) -> None:
+        """Every member in needing_block() got its block: the next need is a block later."""
+        filed = self._block_at.pop(self.clock, None)
+        if filed:
+            due = self.clock + self.block_size
+            self._block_at.setdefault(due, []).extend(filed)
+            for request in filed:
+                self._block_due[request] = due
+
+    def decode_part(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """(request ids, contexts) of a step that decodes every member, in running order."""
+        self._snapshot = (self._version, self.clock)
+        clock = self.clock
+        return tuple(self._ids), tuple([offset + clock for offset in self._offsets])
+
+    def planned(self, num_decodes: int) -> bool:
+        """Whether a plan's first ``num_decodes`` entries are exactly the members now."""
+        return num_decodes == len(self.members) > 0 and self._snapshot == (self._version, self.clock)
+
+    def advance(self, end_s: float) -> list[Request]:
+        """Every member got one token at ``end_s``; returns those that reached max_tokens (still
+        members: the caller finishes them)."""
+        continuing = len(self.members) - self._num_joined_now
+        self.last_continuing = continuing
+        self.last_gap_s = end_s - self._times[-1] if continuing else 0.0
+        self._num_joined_now = 0
+        self.clock += 1
+        self._times.append(end_s)
+        if len(self._times) >= self._compact_at:
+            self._compact()
+        done = self._finish_at.get(self.clock)
+        return sorted(done, key=_admit_seq) if done else []
+
+    def _compact(self) -> None:
+        oldest = min((r.lane_joined for r in self.members), default=self.clock)
+        drop = oldest - self._times_base
+        if drop > 0:
+            del self._times[:drop]
+            self._times_base = oldest
+        self._compact_at = len(self._times) + COMPACT_EVERY
+
+
+def _admit_seq(request: Request) -> int:
+    return request.admit_seq
