@@ -26,7 +26,7 @@ class ItlSketch:
     BINS_PER_DECADE = 1000
     LOW_DECADE, HIGH_DECADE = -9, 6  # 1 ns … 11.6 days
     RELATIVE_ERROR = 10 ** (0.5 / BINS_PER_DECADE) - 1  # half a bin: 0.12 %
-    FLUSH_AT = 1 << 20
+    FLUSH_AT = 1 << 16  # buffered gaps
 
     def __init__(self) -> None:
         nbins = (self.HIGH_DECADE - self.LOW_DECADE) * self.BINS_PER_DECADE
@@ -34,28 +34,46 @@ class ItlSketch:
         self.n = 0
         self.mean = 0.0
         self.m2 = 0.0
-        self._times = array("d")  # token times of finished requests, back to back
-        self._ends: list[int] = []  # where each request's times end in _times
+        self._gaps: list[float] = []
+        self._weights: list[int] = []
 
-    def add_times(self, token_times: list[float]) -> None:
-        if len(token_times) > 1:
-            self._times.extend(token_times)
-            self._ends.append(len(self._times))
-            if len(self._times) >= self.FLUSH_AT:
-                self._flush()
+    def add(self, gap_s: float, count: int = 1) -> None:
+        """``count`` gaps of ``gap_s`` (a decode-lane step: every member's gap is the same)."""
+        self._gaps.append(gap_s)
+        self._weights.append(count)
+        if len(self._gaps) >= self.FLUSH_AT:
+            self._flush()
+
+    def add_request(self, token_times: list[float], lane_runs: list[tuple[int, int]]) -> None:
+        """A finished request's gaps that no lane step counted: each run's first (from the token
+        before it) and every gap outside the runs."""
+        gaps = self._gaps
+        start = len(gaps)
+        i = 1
+        for first, count in lane_runs:
+            for j in range(i, first + 1):
+                gaps.append(token_times[j] - token_times[j - 1])
+            i = max(i, first + count)
+        for j in range(i, len(token_times)):
+            gaps.append(token_times[j] - token_times[j - 1])
+        self._weights += [1] * (len(gaps) - start)
+        if len(gaps) >= self.FLUSH_AT:
+            self._flush()
 
     def _flush(self) -> None:
-        if not self._ends:
+        if not self._gaps:
             return
-        times = np.frombuffer(self._times, dtype=np.float64)
-        gaps = np.diff(times)
-        keep = np.ones(len(gaps), dtype=bool)
-        keep[np.asarray(self._ends[:-1], dtype=np.int64) - 1] = False  # gap across two requests
-        gaps = gaps[keep]
-        self._times = array("d")
-        self._ends = []
+        gaps = np.array(self._gaps, dtype=np.float64)
+        weights = np.array(self._weights, dtype=np.int64)
+        self._gaps, self._weights = [], []
+        keep = weights > 0
+        gaps, weights = gaps[keep], weights[keep]
+        n = int(weights.sum())
+        if n == 0:
+            return
         # merge count/mean/M2 (Chan et al.), then histogram
-        n, mean, m2 = len(gaps), float(gaps.mean()), float(((gaps - gaps.mean()) ** 2).sum())
+        mean = float((gaps * weights).sum() / n)
+        m2 = float((weights * (gaps - mean) ** 2).sum())
         total = self.n + n
         delta = mean - self.mean
         self.mean += delta * n / total
@@ -64,7 +82,7 @@ class ItlSketch:
         with np.errstate(divide="ignore"):
             idx = np.floor((np.log10(gaps) - self.LOW_DECADE) * self.BINS_PER_DECADE).astype(np.int64) + 1
         idx = np.clip(np.where(gaps > 0, idx, 0), 0, len(self.counts) - 1)
-        self.counts += np.bincount(idx, minlength=len(self.counts))
+        self.counts += np.bincount(idx, weights=weights, minlength=len(self.counts)).astype(np.int64)
 
     def _value(self, rank: int) -> float:
         """The rank-th smallest gap (0-based), as the geometric middle of its bin."""
@@ -121,7 +139,7 @@ class RequestLog:
         self.output.append(len(times))
         self.preemptions.append(request.num_preemptions)
         self.statuses.append(request.status.name)
-        self.itl.add_times(times)
+        self.itl.add_request(times, request.lane_runs)
 
     @property
     def total_output_tokens(self) -> int:

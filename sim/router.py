@@ -13,6 +13,7 @@ class HasOutstanding(Protocol):
 
 class RoundRobin:
     name = "round_robin"
+    reads_load = False  # the pick does not depend on the replicas' state: it can be made early
 
     def __init__(self) -> None:
         self._next = 0
@@ -27,6 +28,7 @@ class LeastOutstanding:
     """Fewest requests delivered and not yet finished; ties go to the lowest index."""
 
     name = "least_outstanding"
+    reads_load = True
 
     def pick(self, replicas: Sequence[HasOutstanding]) -> int:
         return min(range(len(replicas)), key=lambda i: replicas[i].outstanding)

@@ -82,6 +82,9 @@ class SimResult:
         return [(s.plan.label, s.start_s, s.end_s - s.start_s) for s in self.steps]
 
 
+EARLY_DELIVERIES = 64  # requests handed to a load-blind router before they arrive
+
+
 class _Delivery(Event):
     """A timeout at URGENT priority: an arrival at time t is delivered before any engine step
     that starts at t, as the real engine admits every request with ``arrival_s <= now``."""
@@ -129,18 +132,22 @@ class Replica:
 
     def run(self):
         """The engine loop (a SimPy process). Times are carried exactly in ``now``/``end``;
-        ``env.now`` only orders events."""
+        ``env.now`` only orders events. In open loop, a wait that no other event falls into
+        (``env.peek()`` is later) is not yielded to SimPy at all: nothing could observe it, and
+        most steps end before the next arrival."""
         env, state, inbox, timer, sim = self.env, self.state, self.inbox, self.timer, self.sim
         schedule, apply, add = self.scheduler.schedule, state.apply, state.add
-        timeout = env.timeout
+        timeout, peek = env.timeout, env.peek
         steps, series, log = sim.steps, sim.timeseries, sim.log
         kv, waiting, running, finished_list = state.kv, state.waiting, state.running, state.finished
-        on_finish = sim.on_finish
+        lane = state.lane
+        # compact records count the gaps inside lane runs here, one number per step (see ItlSketch)
+        itl = None if log.keep_token_times else log.itl
         now = env.now
         while True:
             start = timer.start(now)
             if start > now:
-                yield timeout(start - now)
+                yield timeout(start - env.now)
                 now = start
             while inbox and inbox[0].arrival_s <= now:
                 add(inbox.popleft())
@@ -148,7 +155,7 @@ class Replica:
             if plan is None:
                 if inbox:  # delivered, but a rounding hair ahead of now
                     later = inbox[0].arrival_s
-                    yield timeout(later - now)
+                    yield timeout(later - env.now)
                     now = later
                 elif self.closed:
                     return
@@ -164,8 +171,13 @@ class Replica:
                 series.active.append(len(running))
                 series.kv_blocks_used.append(kv.num_blocks - kv.num_free)
             end, ready = timer.run(plan, now)
-            yield timeout(end - now)
+            on_finish = sim.on_finish  # closed loop: a finish issues requests to any replica
+            if on_finish is not None or peek() <= end:
+                yield timeout(end - env.now)
+            clock = lane.clock
             finished = apply(plan, None, now, end)
+            if itl is not None and lane.clock != clock and lane.last_continuing:
+                itl.add(lane.last_gap_s, lane.last_continuing)
             self.num_steps += 1
             self.last_end_s = end
             if steps is not None:
@@ -176,8 +188,8 @@ class Replica:
                     log.add(request)
                 if on_finish is not None:
                     on_finish(len(finished), end)
-            if ready > end:
-                yield timeout(ready - end)
+            if ready > end and (on_finish is not None or peek() <= ready):
+                yield timeout(ready - env.now)
             now = ready
 
 
@@ -205,16 +217,26 @@ class Simulation:
             replica.close()
 
     def _open_loop(self, requests: Iterator[Request]):
+        """Deliver each request at its arrival time; or, when the router's pick does not depend on
+        the replicas' load, in batches of EARLY_DELIVERIES ahead of time: a replica admits nothing
+        before its arrival_s either way, and the engines run on without an event per arrival."""
         env = self.env
+        early = not self.router.reads_load
         last = 0.0
+        num_early = 0  # delivered ahead of their arrival, the latest at `last`
         for request in requests:
-            if request.arrival_s < last:
-                raise ValueError(f"request {request.request_id} arrives at {request.arrival_s} s, before the "
+            arrival = request.arrival_s
+            if arrival < last:
+                raise ValueError(f"request {request.request_id} arrives at {arrival} s, before the "
                                  f"previous one ({last} s): a lazy request source must be in arrival order")
-            last = request.arrival_s
-            delay = last - env.now
-            if delay > 0:
-                yield _Delivery(env, delay)
+            if arrival > env.now:
+                if not early:
+                    yield _Delivery(env, arrival - env.now)
+                elif num_early == EARLY_DELIVERIES:  # wait until the batch has arrived
+                    yield _Delivery(env, last - env.now)
+                    num_early = 0
+                num_early += 1
+            last = arrival
             self._dispatch(request)
         self._close()
 
