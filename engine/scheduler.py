@@ -46,13 +46,22 @@ class StaticScheduler(Scheduler):
             ids, contexts = state.lane.decode_part()
             return BatchPlan(self.name, ids, (1,) * len(ids), contexts, (True,) * len(ids), len(ids))
         to_prefill = [r for r in members if r.num_computed_tokens == 0]
-        return BatchPlan(
+        if to_prefill:
+            return BatchPlan(
+                scheduler=self.name,
+                request_ids=tuple(r.request_id for r in to_prefill),
+                num_tokens=tuple(r.num_tokens for r in to_prefill),
+                context_lens=(0,) * len(to_prefill),
+                samples=(True,) * len(to_prefill),
+                num_decodes=0,
+            )
+        return BatchPlan(  # decoders outside the lane (it was flushed): the same step, request by request
             scheduler=self.name,
-            request_ids=tuple(r.request_id for r in to_prefill),
-            num_tokens=tuple(r.num_tokens for r in to_prefill),
-            context_lens=(0,) * len(to_prefill),
-            samples=(True,) * len(to_prefill),
-            num_decodes=0,
+            request_ids=tuple(r.request_id for r in members),
+            num_tokens=(1,) * len(members),
+            context_lens=tuple(r.num_computed_tokens for r in members),
+            samples=(True,) * len(members),
+            num_decodes=len(members),
         )
 
     def _admit_group(self, state: ServingState) -> None:

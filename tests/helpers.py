@@ -20,8 +20,11 @@ def create_requests(num: int, prompt_len: int = 12, outputs=SEED_OUTPUTS, arriva
                     arrival_s=arrival_s) for i in range(num)]
 
 
-def drain(config: SchedulerConfig, requests: list[Request], check: bool = True) -> tuple[list[BatchPlan], ServingState]:
-    """Run the pure scheduler to completion with one (fake) step per plan; no model involved."""
+def drain(config: SchedulerConfig, requests: list[Request], check: bool = True,
+          flush_lane: bool = False) -> tuple[list[BatchPlan], ServingState]:
+    """Run the pure scheduler to completion with one (fake) step per plan; no model involved.
+    ``flush_lane`` empties the decode lane before every step: every request is then scheduled
+    and advanced on its own, the lane's O(1) path never runs."""
     state = ServingState(config)
     scheduler = make_scheduler(config)
     for r in requests:
@@ -29,6 +32,8 @@ def drain(config: SchedulerConfig, requests: list[Request], check: bool = True) 
     plans = []
     t = 0.0
     while state.has_unfinished:
+        if flush_lane:
+            state.lane.flush()
         plan = scheduler.schedule(state)
         assert plan is not None, "work is waiting but nothing was scheduled"
         t += 1.0
