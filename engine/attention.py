@@ -40,7 +40,9 @@ class RaggedBatch:
     num_decodes: int = 0  # leading single-token entries, attended in one batched call
     decode_range: tuple[int, int] = (0, 0)  # slots [lo, hi) viewed by that call
     decode_rows: torch.Tensor | None = None  # each decode's row in that view
-    decode_mask: torch.Tensor | None = None  # (hi - lo, 1, 1, max K): key j visible to row r
+    decode_mask: torch.Tensor | None = None  # (hi - lo, 1, 1, max K): key j visible to row r; None: all
+    decode_k_len: int = 0  # keys viewed per slot (the longest decode's context + 1)
+    decode_dense: bool = False  # decode i sits in slot lo + i: queries and outputs need no scatter/gather
     chunk_masks: list[torch.Tensor | None] | None = None
     block_mask: torch.Tensor | None = None
 
@@ -61,9 +63,12 @@ class RaggedBatch:
                 rows = torch.tensor(slots[:d]) - lo
                 visible = torch.ones(hi - lo, dtype=torch.long)  # rows of other slots: any finite key
                 visible[rows] = torch.tensor(ctx_lens[:d]) + 1
-                mask = torch.arange(int(visible.max()))[None] < visible[:, None]
+                k_len = int(visible.max())
                 batch.num_decodes, batch.decode_range, batch.decode_rows = d, (lo, hi), rows
-                batch.decode_mask = mask[:, None, None]
+                batch.decode_k_len = k_len
+                batch.decode_dense = slots[:d] == list(range(lo, hi))
+                if int(visible.min()) < k_len:  # all rows seeing all k_len keys need no mask
+                    batch.decode_mask = (torch.arange(k_len)[None] < visible[:, None])[:, None, None]
         else:
             batch.block_mask = _block_diagonal_mask(q_lens, ctx_lens)
         return batch
@@ -136,12 +141,15 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
         # (1, H, d, D) -> (rows, KV heads, group, D): a decode's query heads that share a KV head
         # become that head's "query length", so SDPA needs neither GQA expansion nor a copy of K/V.
-        q = query.new_zeros(hi - lo, kv_heads, heads // kv_heads, dim)
-        q[b.decode_rows] = query[0, :, :d].transpose(0, 1).reshape(d, kv_heads, heads // kv_heads, dim)
-        k_len = b.decode_mask.shape[-1]
+        q = query[0, :, :d].transpose(0, 1).reshape(d, kv_heads, heads // kv_heads, dim)
+        if not b.decode_dense:  # slots with holes or out of order: scatter into the slot rows
+            q_rows = query.new_zeros(hi - lo, kv_heads, heads // kv_heads, dim)
+            q_rows[b.decode_rows] = q
+            q = q_rows
+        k_len = b.decode_k_len
         out = F.scaled_dot_product_attention(q, key[lo:hi, :, :k_len], value[lo:hi, :, :k_len],
                                              attn_mask=b.decode_mask, scale=scaling)
-        outs.append(out[b.decode_rows].reshape(1, d, heads, dim))
+        outs.append((out if b.decode_dense else out[b.decode_rows]).reshape(1, d, heads, dim))
     for s, q0, n, c, mask in zip(b.slots[d:], b.q_starts[d:], b.q_lens[d:], b.ctx_lens[d:], b.chunk_masks[d:]):
         k = key[s:s + 1, :, :c + n]
         v = value[s:s + 1, :, :c + n]

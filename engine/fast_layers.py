@@ -101,10 +101,12 @@ class LeanQwen2:
             residual = h
             x = _rms_norm(h, ln1, eps1)
             qkv = _linear(x.view(t, -1), qkv_w, qkv_b, "none", [], "")
-            q = qkv[:, :nq].view(1, t, -1, d).transpose(1, 2)
-            k = qkv[:, nq:nq + nkv].view(1, t, -1, d).transpose(1, 2)
+            # q and k heads sit side by side in qkv: one rotary pass over both (elementwise, so
+            # the same values as rotating each)
+            qk = qkv[:, :nq + nkv].view(1, t, -1, d).transpose(1, 2)
+            qk = (qk * cos) + (_rotate_half(qk) * sin)
+            q, k = qk[:, :nq // d], qk[:, nq // d:]
             v = qkv[:, nq + nkv:].view(1, t, -1, d).transpose(1, 2)
-            q, k = (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
             k_store, v_store = cache.update(k, v, i)
             attn, _ = ragged_attention(None, q, k_store, v_store, batch, scaling=scaling)
             attn = _linear(attn.reshape(t, -1), o_w, o_b, "none", [], "")

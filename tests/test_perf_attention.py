@@ -42,3 +42,23 @@ def test_batched_decodes_over_fragmented_slots_match_reference():
         expected = reference_logits(ref, r.token_ids(0, r.num_tokens))
         assert (expected - logits[k]).abs().max().item() <= 1e-5
         assert result.token_ids[k] == int(expected.argmax())
+
+
+def test_dense_equal_context_decodes_need_no_mask_and_match_reference():
+    model_config = ModelConfig(name="tiny")
+    runner = ModelRunner(model_config, SchedulerConfig(max_num_seqs=4))
+    ref = sdpa_twin(model_config)
+    g = torch.Generator().manual_seed(7)
+    reqs = {f"e{i}": Request(f"e{i}", torch.randint(0, 512, (6,), generator=g).tolist(), 4) for i in range(3)}
+    ids = tuple(reqs)
+    result = runner.execute(BatchPlan("continuous", ids, (6,) * 3, (0,) * 3, (True,) * 3, 0), reqs)
+    for rid, tok in zip(ids, result.token_ids):
+        reqs[rid].append_output(tok, 0.0)
+    batch = RaggedBatch.build([0, 1, 2], [1, 1, 1], [6, 6, 6], "ragged")
+    assert batch.decode_dense and batch.decode_mask is None  # slots 0..2 in order, all 7 keys visible
+    result, logits = runner.execute(BatchPlan("continuous", ids, (1,) * 3, (6,) * 3, (True,) * 3, 3), reqs,
+                                    return_logits=True)
+    for k, rid in enumerate(ids):
+        expected = reference_logits(ref, reqs[rid].token_ids(0, 7))
+        assert (expected - logits[k]).abs().max().item() <= 1e-5
+        assert result.token_ids[k] == int(expected.argmax())
