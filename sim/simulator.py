@@ -172,7 +172,8 @@ class Replica:
                 series.kv_blocks_used.append(kv.num_blocks - kv.num_free)
             end, ready = timer.run(plan, now)
             on_finish = sim.on_finish  # closed loop: a finish issues requests to any replica
-            if on_finish is not None or peek() <= end:
+            unobserved = on_finish is None and peek() > ready  # no event before the next step
+            if not unobserved:
                 yield timeout(end - env.now)
             clock = lane.clock
             finished = apply(plan, None, now, end)
@@ -188,7 +189,7 @@ class Replica:
                     log.add(request)
                 if on_finish is not None:
                     on_finish(len(finished), end)
-            if ready > end and (on_finish is not None or peek() <= ready):
+            if ready > end and not unobserved:
                 yield timeout(ready - env.now)
             now = ready
 
