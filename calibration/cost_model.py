@@ -113,17 +113,16 @@ class CostModel:
         """Duration of the model call that executes ``plan``, in seconds: the coefficients times
         plan_features(plan), computed without building the feature row (the simulator calls this
         once per step; at most two weights of each tent basis are non-zero)."""
-        c = self.coefficients
         nd = plan.num_decodes
         ns, ctx = plan.num_tokens, plan.context_lens
         if nd == len(ns):
-            prefill_tokens, prefill_attention, samples, decode_context = 0, 0.0, nd, sum(ctx)
-        else:
-            prefill_tokens, prefill_attention = 0, 0.0
-            for n, k in zip(ns[nd:], ctx[nd:]):
-                prefill_tokens += n
-                prefill_attention += n * (k + n / 2)
-            samples, decode_context = nd + sum(plan.samples[nd:]), sum(ctx[:nd])
+            return self.predict_decodes(nd, sum(ctx))
+        c = self.coefficients
+        prefill_tokens, prefill_attention = 0, 0.0
+        for n, k in zip(ns[nd:], ctx[nd:]):
+            prefill_tokens += n
+            prefill_attention += n * (k + n / 2)
+        samples, decode_context = nd + sum(plan.samples[nd:]), sum(ctx[:nd])
         shape = (prefill_tokens + nd, samples)
         tents = self._tents.get(shape)
         if tents is None:
@@ -131,6 +130,17 @@ class CostModel:
                                           + _tent_dot(samples, SAMPLE_KNOTS, c, _SAMPLES_AT))
         return (c[0] + c[1] * prefill_tokens + c[2] * nd + c[3] * decode_context + c[4] * prefill_attention
                 + c[5] * len(ns) + tents)
+
+    def predict_decodes(self, num_decodes: int, context_sum: int) -> float:
+        """``predict`` of a call that decodes ``num_decodes`` requests (contexts summing to
+        ``context_sum``) and nothing else: the simulator's steps that build no plan."""
+        c = self.coefficients
+        shape = (num_decodes, num_decodes)
+        tents = self._tents.get(shape)
+        if tents is None:
+            tents = self._tents[shape] = (_tent_dot(num_decodes, TOKEN_KNOTS, c, _TOKENS_AT)
+                                          + _tent_dot(num_decodes, SAMPLE_KNOTS, c, _SAMPLES_AT))
+        return c[0] + c[2] * num_decodes + c[3] * context_sum + c[5] * num_decodes + tents
 
     def predict_features(self, rows: Sequence[Sequence[float]]) -> list[float]:
         return [sum(c * x for c, x in zip(self.coefficients, row)) for row in rows]

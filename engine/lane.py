@@ -28,6 +28,7 @@ class DecodeLane:
         self._seqs: list[int] = []  # members' admit_seq, sorted: where a joiner goes
         self._ids: list[str] = []
         self._offsets: list[int] = []  # computed tokens minus the clock
+        self._offset_sum = 0
         self._times: list[float] = []  # end time of each advance; index = clock - _times_base - 1
         self._times_base = 0
         self._finish_at: dict[int, list[Request]] = {}  # clock at which a member reaches max_tokens
@@ -60,6 +61,7 @@ class DecodeLane:
         self.members.insert(i, request)
         self._ids.insert(i, request.request_id)
         self._offsets.insert(i, request._computed)
+        self._offset_sum += request._computed
         self._num_joined_now += 1
         self._file(self._finish_at, request.max_tokens - request._num_output, request)
         due = self._block_due[request] = held_blocks * self.block_size - request._computed
@@ -72,6 +74,7 @@ class DecodeLane:
             self._num_joined_now -= 1
         i = bisect_left(self._seqs, request.admit_seq)
         del self._seqs[i], self.members[i], self._ids[i], self._offsets[i]
+        self._offset_sum -= request._computed
         self._unfile(self._finish_at, request.max_tokens - request._num_output, request)
         self._unfile(self._block_at, self._block_due.pop(request), request)
         self._write_back(request)
@@ -85,6 +88,7 @@ class DecodeLane:
             self._write_back(request)
         for lst in (self._seqs, self.members, self._ids, self._offsets):
             lst.clear()
+        self._offset_sum = 0
         self._finish_at.clear()
         self._block_at.clear()
         self._block_due.clear()
@@ -130,6 +134,10 @@ class DecodeLane:
         self._snapshot = (self._version, self.clock)
         clock = self.clock
         return tuple(self._ids), tuple([offset + clock for offset in self._offsets])
+
+    def context_sum(self) -> int:
+        """Σ contexts of a step that decodes every member (what decode attention reads)."""
+        return self._offset_sum + len(self.members) * self.clock
 
     def planned(self, num_decodes: int) -> bool:
         """Whether a plan's first ``num_decodes`` entries are exactly the members now."""

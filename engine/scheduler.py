@@ -24,6 +24,20 @@ class Scheduler(ABC):
     def schedule(self, state: ServingState) -> BatchPlan | None:
         """The next model call, or None when nothing can run until a request arrives."""
 
+    @abstractmethod
+    def decodes_only(self, state: ServingState) -> bool:
+        """Whether the next step is one token for every member of the decode lane and nothing
+        else; ``schedule`` then returns exactly that plan. The simulator runs such steps
+        without building their plans. True has reserved what the step needs (as ``schedule``
+        would have)."""
+
+
+def lane_plan(scheduler: str, state: ServingState) -> BatchPlan:
+    """The step that decodes every lane member: one token each, in running order."""
+    ids, contexts = state.lane.decode_part()
+    n = len(ids)
+    return BatchPlan(scheduler, ids, (1,) * n, contexts, (True,) * n, n)
+
 
 class StaticScheduler(Scheduler):
     """A closed group: admit up to ``max_num_seqs`` when nothing runs, prefill them in one call,
@@ -41,10 +55,9 @@ class StaticScheduler(Scheduler):
             self._admit_group(state)
         if not state.running:
             return None
+        if self.decodes_only(state):  # the whole group decodes
+            return lane_plan(self.name, state)
         members = state.running
-        if len(state.lane) == len(members):  # the whole group decodes
-            ids, contexts = state.lane.decode_part()
-            return BatchPlan(self.name, ids, (1,) * len(ids), contexts, (True,) * len(ids), len(ids))
         to_prefill = [r for r in members if r.num_computed_tokens == 0]
         if to_prefill:
             return BatchPlan(
@@ -63,6 +76,9 @@ class StaticScheduler(Scheduler):
             samples=(True,) * len(members),
             num_decodes=len(members),
         )
+
+    def decodes_only(self, state: ServingState) -> bool:
+        return bool(state.running) and len(state.lane.members) == len(state.running)
 
     def _admit_group(self, state: ServingState) -> None:
         while state.waiting and len(state.running) < self.group_size:
@@ -94,7 +110,20 @@ class ContinuousScheduler(Scheduler):
 
     name = "continuous"
 
+    def decodes_only(self, state: ServingState) -> bool:
+        cfg = self.config
+        n = len(state.lane.members)
+        if not n or n < len(state.running) or n > cfg.max_num_batched_tokens or not state.grow_lane():
+            return False
+        if state.waiting and n < cfg.max_num_batched_tokens and n < cfg.max_num_seqs:
+            head = state.waiting[0]  # would it be admitted?
+            chunk = min(head.num_tokens, cfg.long_prefill_token_threshold, cfg.max_num_batched_tokens - n)
+            return not state.kv.can_grow(head.request_id, chunk)
+        return True
+
     def schedule(self, state: ServingState) -> BatchPlan | None:
+        if self.decodes_only(state):
+            return lane_plan(self.name, state)
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         kv, lane = state.kv, state.lane

@@ -144,27 +144,12 @@ class ServingState:
         Returns the requests that finished in this step, in plan order.
         """
         lane = self.lane
-        finished: list[Request] = []
-        first = 0  # plan entries before this were the lane's
         if lane.planned(plan.num_decodes):
-            first = plan.num_decodes
-            stopped = []
-            if token_ids is not None:
-                for request, token in zip(lane.members, token_ids):
-                    request.output_token_ids.append(token)
-                    if token == request.eos_token_id and not request.ignore_eos:
-                        stopped.append(request)
-            done = lane.advance(end_s)
-            for request in stopped:
-                if request not in done:
-                    done.append(request)
-            if stopped:
-                done.sort(key=lambda r: r.admit_seq)
-            for request in done:
-                self.running.remove(request)
-                self._finish(request, request.stop_reason(), end_s)
-            finished += done
+            first = plan.num_decodes  # plan entries before this were the lane's
+            finished = self.advance_lane(token_ids, end_s)
         else:  # request by request (lane.flush() wrote the members' progress back)
+            first = 0
+            finished = []
             lane.flush()
         if first == len(plan.request_ids):  # the lane was the whole plan
             return finished
@@ -196,6 +181,27 @@ class ServingState:
         for request in joining:
             lane.join(request, held[request.request_id])
         return finished
+
+    def advance_lane(self, token_ids: Sequence[int] | None, end_s: float) -> list[Request]:
+        """Every lane member got one token at ``end_s`` (values first in ``token_ids``, in real
+        runs); returns those that finished, in running order."""
+        lane = self.lane
+        stopped = []
+        if token_ids is not None:
+            for request, token in zip(lane.members, token_ids):
+                request.output_token_ids.append(token)
+                if token == request.eos_token_id and not request.ignore_eos:
+                    stopped.append(request)
+        done = lane.advance(end_s)
+        for request in stopped:
+            if request not in done:
+                done.append(request)
+        if stopped:
+            done.sort(key=lambda r: r.admit_seq)
+        for request in done:
+            self.running.remove(request)
+            self._finish(request, request.stop_reason(), end_s)
+        return done
 
     def _finish(self, request: Request, status: RequestStatus, now_s: float) -> None:
         if request.lane is not None:

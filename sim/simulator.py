@@ -132,15 +132,18 @@ class Replica:
 
     def run(self):
         """The engine loop (a SimPy process). Times are carried exactly in ``now``/``end``;
-        ``env.now`` only orders events. In open loop, a wait that no other event falls into
-        (``env.peek()`` is later) is not yielded to SimPy at all: nothing could observe it, and
-        most steps end before the next arrival."""
+        ``env.now`` only orders events. Two shortcuts, neither of which changes a step:
+        - a step that only decodes the lane (``scheduler.decodes_only``) is timed from its size
+          and applied to the lane without building its plan, unless plans are kept;
+        - in open loop, a wait that no other event falls into (``env.peek()`` is later) is not
+          yielded to SimPy: nothing could observe it."""
         env, state, inbox, timer, sim = self.env, self.state, self.inbox, self.timer, self.sim
         schedule, apply, add = self.scheduler.schedule, state.apply, state.add
         timeout, peek = env.timeout, env.peek
         steps, series, log = sim.steps, sim.timeseries, sim.log
         kv, waiting, running, finished_list = state.kv, state.waiting, state.running, state.finished
         lane = state.lane
+        decodes_only = self.scheduler.decodes_only if steps is None and hasattr(timer, "run_decodes") else None
         # compact records count the gaps inside lane runs here, one number per step (see ItlSketch)
         itl = None if log.keep_token_times else log.itl
         now = env.now
@@ -151,32 +154,36 @@ class Replica:
                 now = start
             while inbox and inbox[0].arrival_s <= now:
                 add(inbox.popleft())
-            plan = schedule(state)
-            if plan is None:
-                if inbox:  # delivered, but a rounding hair ahead of now
-                    later = inbox[0].arrival_s
-                    yield timeout(later - env.now)
-                    now = later
-                elif self.closed:
-                    return
-                else:
-                    self._wakeup = env.event()
-                    yield self._wakeup
-                    now = max(now, env.now)
-                continue
+            if decodes_only is not None and decodes_only(state):
+                plan = None
+                end, ready = timer.run_decodes(len(lane.members), lane.context_sum(), now)
+            else:
+                plan = schedule(state)
+                if plan is None:
+                    if inbox:  # delivered, but a rounding hair ahead of now
+                        later = inbox[0].arrival_s
+                        yield timeout(later - env.now)
+                        now = later
+                    elif self.closed:
+                        return
+                    else:
+                        self._wakeup = env.event()
+                        yield self._wakeup
+                        now = max(now, env.now)
+                    continue
+                end, ready = timer.run(plan, now)
             if series is not None:
                 series.time_s.append(now)
                 series.replica.append(self.index)
                 series.queue.append(len(waiting))
                 series.active.append(len(running))
                 series.kv_blocks_used.append(kv.num_blocks - kv.num_free)
-            end, ready = timer.run(plan, now)
             on_finish = sim.on_finish  # closed loop: a finish issues requests to any replica
             unobserved = on_finish is None and peek() > ready  # no event before the next step
             if not unobserved:
                 yield timeout(end - env.now)
             clock = lane.clock
-            finished = apply(plan, None, now, end)
+            finished = state.advance_lane(None, end) if plan is None else apply(plan, None, now, end)
             if itl is not None and lane.clock != clock and lane.last_continuing:
                 itl.add(lane.last_gap_s, lane.last_continuing)
             self.num_steps += 1

@@ -32,6 +32,14 @@ class StepTimer(Protocol):
         """``(end_s, ready_s)``: tokens come out at ``end_s``; the next step may start at ``ready_s``."""
 
 
+class DecodeStepTimer(StepTimer, Protocol):
+    """A timer that can also time a step that only decodes, from its size alone: the simulator
+    then runs such steps without building their plans (a replay, which checks plans, cannot)."""
+
+    def run_decodes(self, num_decodes: int, context_sum: int, start_s: float) -> tuple[float, float]:
+        """``run`` of the plan that decodes ``num_decodes`` requests whose contexts sum to ``context_sum``."""
+
+
 class CostModelTimer:
     """The model call takes ``predict(plan)``; then ``step_overhead_s`` passes outside the call
     (sampling, bookkeeping, scheduling the next step) before the next step can start."""
@@ -39,6 +47,7 @@ class CostModelTimer:
     def __init__(self, cost_model: CostModel) -> None:
         self.cost_model = cost_model
         self._predict = cost_model.predict
+        self._predict_decodes = cost_model.predict_decodes
         self._overhead = cost_model.step_overhead_s
 
     def start(self, now: float) -> float:
@@ -46,6 +55,10 @@ class CostModelTimer:
 
     def run(self, plan: BatchPlan, start_s: float) -> tuple[float, float]:
         end = start_s + self._predict(plan)
+        return end, end + self._overhead
+
+    def run_decodes(self, num_decodes: int, context_sum: int, start_s: float) -> tuple[float, float]:
+        end = start_s + self._predict_decodes(num_decodes, context_sum)
         return end, end + self._overhead
 
 
@@ -93,5 +106,9 @@ class ConstantTimer:
         return now
 
     def run(self, plan: BatchPlan, start_s: float) -> tuple[float, float]:
+        end = start_s + self.call_s
+        return end, end + self.overhead_s
+
+    def run_decodes(self, num_decodes: int, context_sum: int, start_s: float) -> tuple[float, float]:
         end = start_s + self.call_s
         return end, end + self.overhead_s

@@ -109,6 +109,26 @@ def test_nothing_is_lost_at_any_rate(config, rate, n, seed, arrival, replicas, r
         assert max(q + a for q, a in zip(ts.queue, ts.active)) <= concurrency
 
 
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=SCHEDULERS, rate=st.floats(0.5, 500), n=st.integers(1, 40), seed=st.integers(0, 1000),
+       arrival=st.sampled_from(["poisson", "burst", "closed_loop"]), replicas=st.integers(1, 3),
+       router=st.sampled_from(["round_robin", "least_outstanding"]))
+def test_steps_without_plans_change_nothing(config, rate, n, seed, arrival, replicas, router):
+    """Keeping plans turns off the decode-only steps that build no plan: the run must be the
+    same to the last token time, step count and time-series row."""
+    workload = WorkloadConfig(arrival=arrival, num_requests=n, rate=rate, concurrency=3, seed=seed,
+                              prompt=LengthDist(kind="uniform", low=1, high=40),
+                              output=LengthDist(kind="uniform", low=1, high=24))
+    runs = []
+    for keep_steps in (True, False):
+        requests, concurrency = workload_requests(workload)
+        sim = simulate(requests, config, lambda: CostModelTimer(COST), concurrency=concurrency,
+                       num_replicas=replicas, router=router, keep_steps=keep_steps, timeseries=True)
+        runs.append((sorted(sim.records, key=lambda r: r.request_id), sim.num_steps, sim.duration_s,
+                     sorted(sim.timeseries.rows())))
+    assert runs[0] == runs[1]
+
+
 def test_compact_records_give_the_same_metrics():
     workload = WorkloadConfig(arrival="poisson", num_requests=300, rate=30.0, seed=2,
                               prompt=LengthDist(kind="lognormal", value=64, sigma=0.5, max=512),
