@@ -7,7 +7,9 @@ Each size runs in a fresh process (clean peak-memory numbers), ``--repeats`` tim
 wall time is reported. Without --profile the step costs are the explicit stand-in coefficients
 below (printed), chosen only to set the load: simulator speed depends on how many requests are
 active per step, not on what a step costs. ``--load`` sets the arrival rate as a fraction of the
-measured saturation throughput. Last line: ``sim_requests_per_s=<n>`` at 100k requests.
+measured saturation throughput. At 10k it also runs every step through ``schedule()`` with its
+plan kept (no plan-less decode-only steps) and prints the ratio. Last line:
+``sim_requests_per_s=<n>`` at 100k requests.
 """
 
 from __future__ import annotations
@@ -47,12 +49,14 @@ def cost_model(profile: str | None) -> CostModel:
     return CostModel.load(profile) if profile else STAND_IN
 
 
-def run_once(n: int, rate: float, profile: str | None) -> dict:
-    """One simulation in this process: wall time of the simulation itself, and peak RSS."""
+def run_once(n: int, rate: float, profile: str | None, keep_steps: bool = False) -> dict:
+    """One simulation in this process: wall time of the simulation itself, and peak RSS.
+    ``keep_steps`` keeps every plan, which also turns off the plan-less decode-only steps."""
     cost = cost_model(profile)
     requests = iter_requests(generate(workload(n, rate)))  # lazily: finished requests are freed
     t0 = time.perf_counter()
-    result = simulate(requests, SCHEDULER, lambda: CostModelTimer(cost), keep_token_times=False)
+    result = simulate(requests, SCHEDULER, lambda: CostModelTimer(cost), keep_token_times=False,
+                      keep_steps=keep_steps)
     wall = time.perf_counter() - t0
     m = result.metrics()
     return {"n": n, "wall_s": wall, "sim_req_s": n / wall, "steps": result.num_steps,
@@ -78,9 +82,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs per size below 1M (median reported)")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # child: one run of this size
     ap.add_argument("--rate", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--keep-steps", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(run_once(args.one, args.rate, args.profile)))
+        print(json.dumps(run_once(args.one, args.rate, args.profile, args.keep_steps)))
         return
 
     if not args.profile:
@@ -92,22 +97,29 @@ def main() -> None:
     print(f"continuous, max_num_seqs {SCHEDULER.max_num_seqs}, max_num_batched_tokens "
           f"{SCHEDULER.max_num_batched_tokens}; saturation {sat:.2f} req/s; Poisson at {rate:.2f} req/s "
           f"({args.load:.0%} load)")
-    sizes = [10_000, 100_000] + ([1_000_000] if args.million else [])
-    headline = None
-    for n in sizes:
+    def median_wall(n: int, repeats: int, *extra: str) -> tuple[float, list[dict]]:
         runs = []
-        for _ in range(args.repeats if n < 1_000_000 else 1):
-            cmd = [sys.executable, __file__, "--one", str(n), "--rate", repr(rate)]
+        for _ in range(repeats):
+            cmd = [sys.executable, __file__, "--one", str(n), "--rate", repr(rate), *extra]
             if args.profile:
                 cmd += ["--profile", args.profile]
             runs.append(json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout))
-        wall = statistics.median(r["wall_s"] for r in runs)
+        return statistics.median(r["wall_s"] for r in runs), runs
+
+    sizes = [10_000, 100_000] + ([1_000_000] if args.million else [])
+    headline = None
+    for n in sizes:
+        wall, runs = median_wall(n, args.repeats if n < 1_000_000 else 1)
         r = runs[0]
         print(f"n={n:>9,}  wall {wall:8.2f} s (median of {len(runs)})  {n / wall:9,.0f} simulated req/s  "
               f"{r['steps']:,} steps  {r['mean_active_decodes']:.1f} tokens/step  "
               f"peak RSS {max(x['peak_rss_mb'] for x in runs):,.0f} MB  TTFT p99 {r['ttft_p99_s']:.3f} s")
         if n == 100_000:
             headline = n / wall
+        if n == 10_000:
+            planned, _ = median_wall(n, args.repeats, "--keep-steps")
+            print(f"           every step through schedule() with its plan kept: {n / planned:,.0f} req/s; "
+                  f"plan-less decode-only steps are {planned / wall:.2f}x faster")
     print(f"sim_requests_per_s={headline:.0f}")
 
 
