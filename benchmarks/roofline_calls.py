@@ -1,10 +1,13 @@
 """Model-call time against this machine's limit, per call shape, in fp32 and bf16.
 
-The machine's memory bandwidth and matmul throughput give each call's roofline time
-(calibration.roofline: max(bytes moved / bandwidth, FLOPs / matmul throughput)). Each is the best
-of two probes: calibration.roofline.measure_machine (torch matmul) and the same shapes through
-oneDNN's pre-packed linear. Bandwidth is a property of the memory, not of the dtype, so the best
-over dtypes is used for both. Prints median measured time per shape and measured/roofline (target ≤ 1.3).
+Each call's roofline time is max(bytes moved / bandwidth, FLOPs / matmul throughput)
+(calibration.roofline). Two machines are used side by side:
+- probe: this machine measured in this run (calibration.roofline.measure_machine: the fastest of
+  torch and oneDNN-packed probes, each best of several repeats). Bandwidth is a property of the
+  memory, not of the dtype, so the best over dtypes and over two probe rounds (before and after the
+  model calls, so a slow spell on a shared host does not lower the limit) is used for both.
+- issue: the figures issue #7 states for this machine (21 GB/s; 210 GFLOP/s fp32, 750 bf16).
+Prints the median measured time per shape and measured/roofline against each (target ≤ 1.3).
 
     flock /tmp/miniserve-bench.lock python benchmarks/roofline_calls.py [--dtypes float32,bfloat16]
 """
@@ -16,7 +19,7 @@ import statistics
 
 import torch
 
-from calibration.roofline import Machine, ModelShape, best_s, call_work, measure_machine, roofline_s
+from calibration.roofline import Machine, ModelShape, call_work, measure_machine, roofline_s
 from engine.config import ModelConfig, SchedulerConfig
 from engine.model_runner import ModelRunner
 from engine.plan import BatchPlan
@@ -30,24 +33,7 @@ SHAPES = {  # name: (prior context per request, tokens per request)
     "prefill 128": ([0], [128]),
     "prefill 512": ([0], [512]),
 }
-
-
-@torch.inference_mode()
-def measure_packed(dtype: torch.dtype, mem_bytes: int = 512 << 20) -> Machine:
-    """The same two probes through oneDNN's pre-packed linear (what the engine runs): torch's
-    plain matrix-vector product reads memory slower than this machine can, so it understates the
-    limit."""
-    def packed(m: int, k: int, n: int) -> float:
-        w, x = torch.randn(n, k, dtype=dtype), torch.randn(m, k, dtype=dtype)
-        pw = torch.ops.mkldnn._reorder_linear_weight(w, m)
-        return best_s(lambda: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], ""))
-
-    esize = torch.empty((), dtype=dtype).element_size()
-    rows = mem_bytes // esize // 896
-    bandwidth = rows * 896 * esize / packed(1, 896, rows)
-    flops = max(2 * m * k * n / packed(m, k, n) for m, k, n in ((256, 896, 4864), (512, 4864, 896),
-                                                                    (1024, 1024, 1024)))
-    return Machine(bandwidth, flops)
+ISSUE_MACHINE = {"float32": Machine(21e9, 210e9), "bfloat16": Machine(21e9, 750e9)}  # issue #7's figures
 
 
 def shape_plan(runner: ModelRunner, contexts: list[int], chunks: list[int], tag: str):
@@ -69,6 +55,14 @@ def measure(runner: ModelRunner, plan: BatchPlan, reqs, repeats: int) -> float:
     return statistics.median(runner.execute(plan, reqs).duration_s for _ in range(repeats))
 
 
+def probe(dtypes: list[str], repeats: int) -> dict[str, Machine]:
+    machines = {d: measure_machine(getattr(torch, d), repeats) for d in dtypes}
+    for d, m in machines.items():
+        print(f"  probe {d}: bandwidth {m.bandwidth_bytes_s / 1e9:.1f} GB/s, matmul {m.matmul_flops_s / 1e9:.0f} GFLOP/s",
+              flush=True)
+    return machines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2_5_0_5b")
@@ -78,35 +72,43 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtypes = args.dtypes.split(",")
-    machines = {}
+    print(f"threads={torch.get_num_threads()}; machine probes before the model calls:")
+    rounds = [probe(dtypes, args.repeats)]
+    measured: dict[str, dict[str, tuple[BatchPlan, ModelShape, float]]] = {}
     for d in dtypes:
-        probes = {"torch": measure_machine(getattr(torch, d)), "oneDNN packed": measure_packed(getattr(torch, d))}
-        for how, m in probes.items():
-            print(f"{d} ({how}): bandwidth {m.bandwidth_bytes_s / 1e9:.1f} GB/s, "
-                  f"matmul {m.matmul_flops_s / 1e9:.0f} GFLOP/s")
-        machines[d] = Machine(max(m.bandwidth_bytes_s for m in probes.values()),
-                              max(m.matmul_flops_s for m in probes.values()))
-    bandwidth = max(m.bandwidth_bytes_s for m in machines.values())
-    print(f"roofline: bandwidth {bandwidth / 1e9:.1f} GB/s (best probe, any dtype), matmul the best probe per "
-          f"dtype; threads={torch.get_num_threads()}")
-    worst = {}
-    for d in dtypes:
-        machine = Machine(bandwidth, machines[d].matmul_flops_s)
         runner = ModelRunner(ModelConfig(name=args.model, dtype=d, num_threads=args.threads),
                              SchedulerConfig(max_num_seqs=32, max_model_len=1024))
         shape = ModelShape.of(runner.model)
-        print(f"\n{d}: {'shape':12s} {'measured ms':>12s} {'roofline ms':>12s} {'bound':>8s} {'meas/roof':>10s}")
+        measured[d] = {}
         for name, (contexts, chunks) in SHAPES.items():
             plan, reqs = shape_plan(runner, contexts, chunks, name.replace(" ", "_"))
-            t = measure(runner, plan, reqs, args.repeats)
+            measured[d][name] = (plan, shape, measure(runner, plan, reqs, args.repeats))
             runner.free(plan.request_ids)
-            roof = roofline_s(plan, shape, machine)
-            nbytes, flops = call_work(plan, shape)
-            bound = "memory" if nbytes / machine.bandwidth_bytes_s >= flops / machine.matmul_flops_s else "compute"
-            worst[d] = max(worst.get(d, 0.0), t / roof)
-            print(f"{d}: {name:12s} {1e3 * t:12.1f} {1e3 * roof:12.1f} {bound:>8s} {t / roof:10.2f}", flush=True)
         del runner
-    print("\n" + " ".join(f"worst_meas_over_roofline_{d}={w:.2f}" for d, w in worst.items()))
+    print("machine probes after the model calls:")
+    rounds.append(probe(dtypes, args.repeats))
+    bandwidth = max(m[d].bandwidth_bytes_s for m in rounds for d in dtypes)
+    print(f"probe limit: bandwidth {bandwidth / 1e9:.1f} GB/s (best of both rounds, any dtype); matmul " + ", ".join(
+        f"{d} {max(m[d].matmul_flops_s for m in rounds) / 1e9:.0f} GFLOP/s" for d in dtypes))
+    print("issue #7 figures: bandwidth 21.0 GB/s; matmul " + ", ".join(
+        f"{d} {ISSUE_MACHINE[d].matmul_flops_s / 1e9:.0f} GFLOP/s" for d in dtypes if d in ISSUE_MACHINE))
+    worst: dict[str, float] = {}
+    for d in dtypes:
+        machines = {"probe": Machine(bandwidth, max(m[d].matmul_flops_s for m in rounds))}
+        if d in ISSUE_MACHINE:
+            machines["issue"] = ISSUE_MACHINE[d]
+        print(f"\n{d}: {'shape':12s} {'measured ms':>12s}" + "".join(
+            f" {k + ' roof ms':>14s} {'bound':>8s} {'meas/roof':>10s}" for k in machines))
+        for name, (plan, shape, t) in measured[d].items():
+            nbytes, flops = call_work(plan, shape)
+            row = f"{d}: {name:12s} {1e3 * t:12.1f}"
+            for k, m in machines.items():
+                roof = roofline_s(plan, shape, m)
+                bound = "memory" if nbytes / m.bandwidth_bytes_s >= flops / m.matmul_flops_s else "compute"
+                worst[f"{k}_{d}"] = max(worst.get(f"{k}_{d}", 0.0), t / roof)
+                row += f" {1e3 * roof:14.1f} {bound:>8s} {t / roof:10.2f}"
+            print(row, flush=True)
+    print("\n" + " ".join(f"worst_meas_over_roofline_{k}={w:.2f}" for k, w in worst.items()))
 
 
 if __name__ == "__main__":
