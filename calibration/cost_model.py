@@ -99,6 +99,7 @@ class CostModel:
     fingerprint: str | None = None  # engine.model_loader.config_fingerprint of what was measured
     info: dict = field(default_factory=dict)  # fit errors, device, threads, torch version, date ...
     _tents: dict[tuple[int, int], float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _decode_fixed: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if tuple(self.feature_names) != FEATURES:
@@ -134,13 +135,13 @@ class CostModel:
     def predict_decodes(self, num_decodes: int, context_sum: int) -> float:
         """``predict`` of a call that decodes ``num_decodes`` requests (contexts summing to
         ``context_sum``) and nothing else: the simulator's steps that build no plan."""
-        c = self.coefficients
-        shape = (num_decodes, num_decodes)
-        tents = self._tents.get(shape)
-        if tents is None:
-            tents = self._tents[shape] = (_tent_dot(num_decodes, TOKEN_KNOTS, c, _TOKENS_AT)
-                                          + _tent_dot(num_decodes, SAMPLE_KNOTS, c, _SAMPLES_AT))
-        return c[0] + c[2] * num_decodes + c[3] * context_sum + c[5] * num_decodes + tents
+        fixed = self._decode_fixed.get(num_decodes)  # everything but the context term
+        if fixed is None:
+            c = self.coefficients
+            fixed = self._decode_fixed[num_decodes] = (
+                c[0] + c[2] * num_decodes + c[5] * num_decodes + _tent_dot(num_decodes, TOKEN_KNOTS, c, _TOKENS_AT)
+                + _tent_dot(num_decodes, SAMPLE_KNOTS, c, _SAMPLES_AT))
+        return fixed + self.coefficients[3] * context_sum
 
     def predict_features(self, rows: Sequence[Sequence[float]]) -> list[float]:
         return [sum(c * x for c, x in zip(self.coefficients, row)) for row in rows]
