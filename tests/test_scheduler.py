@@ -190,6 +190,31 @@ def test_the_decode_lane_changes_no_plan_and_no_token_time(name, lengths, max_nu
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("flush_lane", [False, True])
+def test_eos_stops_a_decoding_request_with_its_token_and_length_wins_a_tie(flush_lane):
+    config = SchedulerConfig(name="continuous", max_num_seqs=4)
+    state, scheduler = ServingState(config), make_scheduler(config)
+    script = {"e0": [1, 2, 7], "e1": [1, 2, 3, 4, 7], "e2": [1, 2, 3, 4, 5]}  # 7 is EOS; max_tokens 5
+    for rid in script:
+        state.add(Request(rid, [1, 2, 3], 5, ignore_eos=False, eos_token_id=7))
+    t = 0.0
+    while state.has_unfinished:
+        if flush_lane:
+            state.lane.flush()
+        plan = scheduler.schedule(state)
+        tokens = [script[rid][state.requests[rid].num_output_tokens]
+                  for rid, sampled in zip(plan.request_ids, plan.samples) if sampled]
+        state.apply(plan, tokens, t, t + 1.0)
+        state.check_invariants()
+        t += 1.0
+    done = {r.request_id: r for r in state.finished}
+    assert done["e0"].status == RequestStatus.FINISHED_STOPPED and done["e0"].output_token_ids == [1, 2, 7]
+    assert done["e0"].token_times_s == [1.0, 2.0, 3.0]
+    assert done["e1"].status == RequestStatus.FINISHED_LENGTH and done["e1"].output_token_ids == [1, 2, 3, 4, 7]
+    assert done["e2"].status == RequestStatus.FINISHED_LENGTH and done["e2"].num_output_tokens == 5
+    assert state.kv.num_free == config.num_kv_blocks
+
+
 def test_bad_requests_get_clear_errors_and_queue_is_untouched():
     config = SchedulerConfig(name="continuous", max_model_len=64, num_kv_blocks=8, block_size=4)
     state = ServingState(config)
@@ -219,9 +244,20 @@ def test_abort_frees_blocks_and_forgets_the_request():
         state.add(r)
     plan = scheduler.schedule(state)
     state.apply(plan, None, 0.0, 1.0)
-    aborted = state.abort("r1", 1.5)
+    aborted = state.abort("r1", 1.5)  # a decoding request: it leaves the lane
     assert aborted is not None and aborted.status == RequestStatus.FINISHED_ABORTED
     assert "r1" not in state.kv.held and "r1" not in state.requests
     state.check_invariants()
-    plan = scheduler.schedule(state)
-    assert "r1" not in plan.request_ids
+    plan = scheduler.schedule(state)  # the lane's step (r0, r2) ...
+    assert plan.request_ids == ("r0", "r2") and plan.num_decodes == 2
+    state.abort("r0", 2.0)  # ... and r0's client goes away while the call runs
+    state.apply(plan, None, 2.0, 3.0)
+    state.check_invariants()
+    t = 3.0
+    while state.has_unfinished:
+        state.apply(scheduler.schedule(state), None, t, t + 1.0)
+        t += 1.0
+    by_id = {r.request_id: r for r in state.finished}
+    assert by_id["r2"].num_output_tokens == by_id["r2"].max_tokens == len(by_id["r2"].token_times_s)
+    assert by_id["r2"].token_times_s[:2] == [1.0, 3.0]
+    assert by_id["r0"].num_output_tokens == 1 and state.kv.num_free == config.num_kv_blocks
