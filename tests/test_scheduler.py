@@ -134,21 +134,20 @@ def test_nothing_to_do_returns_none(name):
     assert make_scheduler(config).schedule(ServingState(config)) is None
 
 
+# random configs (tight budgets, chunks and KV pools that preempt) and request lengths
+CONFIGS = st.builds(
+    lambda name, max_num_seqs, budget, chunk, num_blocks, block_size: SchedulerConfig(
+        name=name, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, long_prefill_token_threshold=chunk,
+        num_kv_blocks=max(num_blocks, -(-60 // block_size)), block_size=block_size),  # 60 tokens fit alone
+    name=st.sampled_from(["serial", "static", "continuous"]), max_num_seqs=st.integers(1, 8),
+    budget=st.integers(1, 64), chunk=st.integers(1, 32), num_blocks=st.integers(15, 40),
+    block_size=st.sampled_from([1, 2, 4, 16]))
+LENGTHS = st.lists(st.tuples(st.integers(1, 40), st.integers(1, 20)), min_size=1, max_size=25)
+
+
 @settings(max_examples=60, deadline=None)
-@given(
-    name=st.sampled_from(["serial", "static", "continuous"]),
-    lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 20)), min_size=1, max_size=25),
-    max_num_seqs=st.integers(1, 8),
-    budget=st.integers(1, 64),
-    chunk=st.integers(1, 32),
-    num_blocks=st.integers(15, 40),
-    block_size=st.sampled_from([1, 2, 4, 16]),
-)
-def test_every_token_is_produced_once_and_no_request_is_lost(name, lengths, max_num_seqs, budget, chunk,
-                                                             num_blocks, block_size):
-    num_blocks = max(num_blocks, -(-60 // block_size))  # the largest request must fit alone
-    config = SchedulerConfig(name=name, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                             long_prefill_token_threshold=chunk, num_kv_blocks=num_blocks, block_size=block_size)
+@given(config=CONFIGS, lengths=LENGTHS)
+def test_every_token_is_produced_once_and_no_request_is_lost(config, lengths):
     requests = [Request(f"q{i}", list(range(p)), o) for i, (p, o) in enumerate(lengths)]
     plans, state = drain(config, requests)
     assert sorted(r.request_id for r in state.finished) == sorted(r.request_id for r in requests)
@@ -161,26 +160,14 @@ def test_every_token_is_produced_once_and_no_request_is_lost(name, lengths, max_
     assert computed >= sum(p + o - 1 for p, o in lengths)
     if recomputed == 0:
         assert computed == sum(p + o - 1 for p, o in lengths)
-    assert state.kv.num_free == num_blocks and not state.kv.held
+    assert state.kv.num_free == config.num_kv_blocks and not state.kv.held
 
 
 @settings(max_examples=80, deadline=None)
-@given(
-    name=st.sampled_from(["serial", "static", "continuous"]),
-    lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 20)), min_size=1, max_size=25),
-    max_num_seqs=st.integers(1, 8),
-    budget=st.integers(1, 64),
-    chunk=st.integers(1, 32),
-    num_blocks=st.integers(15, 40),
-    block_size=st.sampled_from([1, 2, 4, 16]),
-)
-def test_the_decode_lane_changes_no_plan_and_no_token_time(name, lengths, max_num_seqs, budget, chunk,
-                                                           num_blocks, block_size):
+@given(config=CONFIGS, lengths=LENGTHS)
+def test_the_decode_lane_changes_no_plan_and_no_token_time(config, lengths):
     """The lane is only a faster way to run the same policy: flushing it before every step (so
     every decode is reserved, planned and advanced request by request) gives the same run."""
-    num_blocks = max(num_blocks, -(-60 // block_size))
-    config = SchedulerConfig(name=name, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                             long_prefill_token_threshold=chunk, num_kv_blocks=num_blocks, block_size=block_size)
     runs = []
     for flush in (False, True):
         requests = [Request(f"q{i}", list(range(p)), o) for i, (p, o) in enumerate(lengths)]
