@@ -13,7 +13,7 @@ import torch
 from calibration.cost_model import FEATURES, CostModel, plan_features
 from calibration.fit import Errors, fit_nnls, split_heldout
 from calibration.grid import GRID_SPECS, build_grid
-from calibration.profiler import Measurement, ShapePool, make_runner, measure_overhead, measure_shapes, threads_of
+from calibration.profiler import Measurement, ShapePool, make_runner, measure_engine_runs, measure_shapes, threads_of
 from calibration.roofline import Machine, ModelShape, measure_machine, roofline_s
 from engine.config import ModelConfig
 from engine.model_loader import config_fingerprint
@@ -25,7 +25,7 @@ class CalibrationConfig:
     heldout_fraction: float = 0.25
     repeats: int | None = None  # None: the grid's own
     warmup: int = 1
-    overhead_runs: int = 2
+    overhead_runs: int = 2  # engine runs timed for the step overhead; their calls join the fit
     seed: int = 0
     progress: bool = True
 
@@ -85,7 +85,8 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     pool = ShapePool(runner, slots, max_len, seed=cfg.seed)
     measurements, retried = measure_shapes(pool, shapes, cfg.repeats or spec.repeats, cfg.warmup, cfg.seed, cfg.progress)
     pool.release()
-    overhead = measure_overhead(runner, min(8, slots), cfg.overhead_runs)
+    overhead, engine_calls = measure_engine_runs(runner, min(8, slots), cfg.overhead_runs)
+    measurements += engine_calls
     machine = measure_machine(runner.model.dtype)
     mshape = ModelShape.of(runner.model)
 
@@ -107,7 +108,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
         "fit": fit,
         "step_overhead": overhead.to_dict(),
         "roofline": {"machine": machine.to_dict(), "heldout": fit["roofline_heldout"]},
-        "grid": {"name": cfg.grid, "spec": asdict(spec), "calls": len(measurements),
+        "grid": {"name": cfg.grid, "spec": asdict(spec), "calls": len(shapes), "engine_calls": len(engine_calls),
                  "repeats": cfg.repeats or spec.repeats, "warmup": cfg.warmup, "wall_s": wall,
                  "contended_retries": retried},
         "measurements": [{"shape": m.shape.name, "kind": m.shape.kind, "tokens": m.plan.total_tokens,

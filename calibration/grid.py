@@ -19,7 +19,7 @@ GRIDS = ("quick", "full")
 
 @dataclass(frozen=True)
 class Shape:
-    kind: str  # "decode" | "prefill" | "mixed"
+    kind: str  # "decode" | "prefill" | "mixed"; "engine" for calls timed inside engine runs
     decode_contexts: tuple[int, ...] = ()
     chunks: tuple[tuple[int, int, bool], ...] = ()  # (tokens, prior context, samples)
 
@@ -42,6 +42,13 @@ class Shape:
             samples=(True,) * nd + tuple(s for _, _, s in self.chunks),
             num_decodes=nd,
         )
+
+    @classmethod
+    def of_plan(cls, plan: BatchPlan, kind: str) -> Shape:
+        """The shape of a plan some run made (the calibration's engine runs)."""
+        nd = plan.num_decodes
+        return cls(kind, tuple(plan.context_lens[:nd]),
+                   tuple(zip(plan.num_tokens[nd:], plan.context_lens[nd:], plan.samples[nd:])))
 
     @property
     def name(self) -> str:

@@ -11,7 +11,6 @@ writes what a call after a real prefill would, without paying minutes of prefill
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -125,15 +124,19 @@ def step_overheads(steps) -> list[float]:
     return out
 
 
-def measure_overhead(runner: ModelRunner, max_num_seqs: int, runs: int = 2,
-                     clock_out: Callable[[str], None] | None = None) -> OverheadSummary:
+def measure_engine_runs(runner: ModelRunner, max_num_seqs: int,
+                        runs: int = 2) -> tuple[OverheadSummary, list[Measurement]]:
     """Serve a small burst (mixed prompt lengths, not the seed's) through the continuous Engine on
-    this runner and read the time outside the model call from its StepRecords."""
+    this runner: the time outside the model call, from its StepRecords, and its model calls as
+    measurements of kind "engine". Calls inside a serving loop run some percent slower than the
+    same shapes timed back to back on the grid (caches, allocator, the Python between calls), so
+    the fit learns from them too and the error table scores them."""
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, long_prefill_token_threshold=32)
     engine = Engine(config, runner.model_config, runner=runner)
     workload = WorkloadConfig(num_requests=2 * max_num_seqs, prompt=LengthDist("uniform", low=4, high=40),
                               output=LengthDist("uniform", low=2, high=10), seed=7)
     overheads: list[float] = []
+    calls: list[Measurement] = []
     busy = 0.0
     for k in range(runs + 1):  # the first run is a warm-up
         requests = make_requests(generate(workload), vocab_size=runner.vocab_size, seed=k, prefix=f"ovh{k}")
@@ -142,9 +145,11 @@ def measure_overhead(runner: ModelRunner, max_num_seqs: int, runs: int = 2,
         if k:
             overheads += step_overheads(result.steps)
             busy += sum(s.model_s for s in result.steps)
+            calls += [Measurement(Shape.of_plan(s.plan, "engine"), s.plan, (s.model_s,)) for s in result.steps]
     arr = np.asarray(overheads)
-    return OverheadSummary(float(np.median(arr)), float(arr.mean()), float(np.percentile(arr, 90)), len(arr),
-                           float(arr.sum() / busy))
+    summary = OverheadSummary(float(np.median(arr)), float(arr.mean()), float(np.percentile(arr, 90)), len(arr),
+                              float(arr.sum() / busy))
+    return summary, calls
 
 
 def threads_of(model_config: ModelConfig) -> ModelConfig:

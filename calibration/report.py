@@ -29,7 +29,8 @@ def error_table_text(result) -> str:
                  f"{100 * ovh['share_of_busy']:.1f}% of model time ({ovh['steps']} steps)")
     grid = info["grid"]
     lines.append(f"grid {grid['name']}: {grid['calls']} shapes × {grid['repeats']} repeats, "
-                 f"{grid['contended_retries']} contended calls re-measured, {grid['wall_s']:.1f} s")
+                 f"{grid['contended_retries']} contended calls re-measured, plus {grid.get('engine_calls', 0)} "
+                 f"calls timed inside engine runs; {grid['wall_s']:.1f} s")
     return "\n".join(lines)
 
 

@@ -173,8 +173,11 @@ def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tmp_path):
     assert data["fit"]["heldout_max_error"] >= data["fit"]["heldout"]["median_error"]
     assert data["fingerprint"] == config_fingerprint(ModelConfig(name="tiny"))
     assert data["measured_on"]["threads"] == 1 and data["model"]["dtype"] == "float32"
-    assert data["grid"]["calls"] == len(build_grid(GRID_SPECS["quick"])) == len(data["measurements"])
-    assert data["step_overhead"]["steps"] > 0
+    assert data["grid"]["calls"] == len(build_grid(GRID_SPECS["quick"]))
+    kinds = [m["kind"] for m in data["measurements"]]
+    assert kinds.count("engine") == data["grid"]["engine_calls"] == data["step_overhead"]["steps"] > 0
+    assert len(kinds) == data["grid"]["calls"] + data["grid"]["engine_calls"]
+    assert "engine" in data["fit"]["by_kind_heldout"]  # calls inside a serving loop are scored too
     assert (tmp_path / "calibration.png").stat().st_size > 10_000
     model = CostModel.load(tmp_path / "profile.json", expect_fingerprint=data["fingerprint"])
     assert model.predict(hand_plan()) > 0 and model.step_overhead_s == data["step_overhead"]["median_s"]
