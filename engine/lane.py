@@ -12,8 +12,11 @@ finishes, is preempted or aborted, or when a step does not decode every member.
 from __future__ import annotations
 
 from bisect import bisect_left
+from operator import attrgetter
 
 from engine.request import Request
+
+BY_ADMISSION = attrgetter("admit_seq")  # running order
 
 COMPACT_EVERY = 1 << 16  # steps between dropping token times no member needs any more
 
@@ -25,7 +28,6 @@ class DecodeLane:
         self.block_size = block_size
         self.clock = 0  # steps advanced so far
         self.members: list[Request] = []
-        self._seqs: list[int] = []  # members' admit_seq, sorted: where a joiner goes
         self._ids: list[str] = []
         self._offsets: list[int] = []  # computed tokens minus the clock
         self._offset_sum = 0
@@ -42,9 +44,6 @@ class DecodeLane:
         self.last_gap_s = 0.0
         self._version = 0
 
-    def __len__(self) -> int:
-        return len(self.members)
-
     def times_since(self, joined: int) -> list[float]:
         """End times of the advances after clock ``joined``."""
         return self._times[joined - self._times_base:]
@@ -56,8 +55,7 @@ class DecodeLane:
         request._computed -= clock
         request._num_output -= clock
         request.lane, request.lane_joined = self, clock
-        i = bisect_left(self._seqs, request.admit_seq)
-        self._seqs.insert(i, request.admit_seq)
+        i = bisect_left(self.members, request.admit_seq, key=BY_ADMISSION)
         self.members.insert(i, request)
         self._ids.insert(i, request.request_id)
         self._offsets.insert(i, request._computed)
@@ -72,8 +70,8 @@ class DecodeLane:
         """Write the member's progress back onto it."""
         if request.lane_joined == self.clock:
             self._num_joined_now -= 1
-        i = bisect_left(self._seqs, request.admit_seq)
-        del self._seqs[i], self.members[i], self._ids[i], self._offsets[i]
+        i = bisect_left(self.members, request.admit_seq, key=BY_ADMISSION)
+        del self.members[i], self._ids[i], self._offsets[i]
         self._offset_sum -= request._computed
         self._unfile(self._finish_at, request.max_tokens - request._num_output, request)
         self._unfile(self._block_at, self._block_due.pop(request), request)
@@ -86,7 +84,7 @@ class DecodeLane:
             return
         for request in self.members:
             self._write_back(request)
-        for lst in (self._seqs, self.members, self._ids, self._offsets):
+        for lst in (self.members, self._ids, self._offsets):
             lst.clear()
         self._offset_sum = 0
         self._finish_at.clear()
@@ -155,7 +153,7 @@ class DecodeLane:
         if len(self._times) >= self._compact_at:
             self._compact()
         done = self._finish_at.get(self.clock)
-        return sorted(done, key=_admit_seq) if done else []
+        return sorted(done, key=BY_ADMISSION) if done else []
 
     def _compact(self) -> None:
         oldest = min((r.lane_joined for r in self.members), default=self.clock)
@@ -164,7 +162,3 @@ class DecodeLane:
             del self._times[:drop]
             self._times_base = oldest
         self._compact_at = len(self._times) + COMPACT_EVERY
-
-
-def _admit_seq(request: Request) -> int:
-    return request.admit_seq

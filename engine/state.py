@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from engine.config import SchedulerConfig
-from engine.lane import DecodeLane
+from engine.lane import BY_ADMISSION, DecodeLane
 from engine.plan import BatchPlan
 from engine.request import Request, RequestStatus
 
@@ -41,6 +41,16 @@ class KVBlockPool:
 
     def can_grow(self, request_id: str, num_tokens: int) -> bool:
         return self.blocks_for(num_tokens) - self.held.get(request_id, 0) <= self.num_free
+
+    def add_block_each(self, request_ids: list[str]) -> bool:
+        """One more block for each request (all holding some already), or False (and no change)
+        if the pool is short."""
+        if len(request_ids) > self.num_free:
+            return False
+        for request_id in request_ids:
+            self.held[request_id] += 1
+        self.num_free -= len(request_ids)
+        return True
 
     def release(self, request_id: str) -> None:
         self.num_free += self.held.pop(request_id, 0)
@@ -101,15 +111,10 @@ class ServingState:
 
     def grow_lane(self) -> bool:
         """KV for one more token of every lane member, or False (and no change) if blocks are short."""
-        needing = self.lane.needing_block()
+        needing = self.lane.needing_block()  # their blocks are full: the next token takes one more each
         if needing:
-            kv = self.kv
-            if len(needing) > kv.num_free:
+            if not self.kv.add_block_each([r.request_id for r in needing]):
                 return False
-            held = kv.held
-            for request in needing:  # its blocks are full: the next token takes exactly one more
-                held[request.request_id] += 1
-            kv.num_free -= len(needing)
             self.lane.got_block()
         return True
 
@@ -197,7 +202,7 @@ class ServingState:
             if request not in done:
                 done.append(request)
         if stopped:
-            done.sort(key=lambda r: r.admit_seq)
+            done.sort(key=BY_ADMISSION)
         for request in done:
             self.running.remove(request)
             self._finish(request, request.stop_reason(), end_s)
