@@ -79,51 +79,77 @@ def best_s(fn, repeats: int = 5) -> float:
     return min(times)
 
 
-def measure_machine(dtype, repeats: int = 5, mem_bytes: int = 512 << 20) -> Machine:
-    """This machine's limit for ``dtype``: the fastest of several probes, each best of ``repeats``.
+class BandwidthProbe:
+    """This machine's read bandwidth for one dtype, kept ready so it can be measured again between
+    model calls.
 
-    Read bandwidth: a sum over a buffer far larger than cache, torch's matrix-vector product, and
-    oneDNN's pre-packed matrix-vector product (what the engine's decode runs) over the same
-    buffer; matmul throughput: torch matmul and oneDNN's pre-packed linear on model-like shapes.
-    Best-of and fastest-of because noise (other processes, a neighbour on a shared host) only ever
-    slows a probe down, and a limit must not be understated: on this 2-core VM single probes
-    ranged 14-62 GB/s. The packed matrix-vector product reads at about half the sum's rate (its
-    kernel, not the memory, binds), so decodes sit near 2x this bandwidth roofline.
+    The limit moves: on this 2-core VM the host's other tenants share the memory, and the same
+    probe read 36 GB/s and 66 GB/s fifteen minutes apart. A call's roofline is only meaningful
+    against a probe taken in the same spell, so benchmarks interleave the two.
+
+    Probes: a sum over a buffer far larger than cache, torch's matrix-vector product, and oneDNN's
+    pre-packed matrix-vector product (what the engine's decode runs) over the same buffer; the
+    fastest of them, each best of ``repeats``. Best-of and fastest-of because noise only ever
+    slows a probe down, and a limit must not be understated.
     """
+
+    def __init__(self, dtype, mem_bytes: int = 512 << 20, k: int = 896) -> None:
+        import torch
+
+        esize = torch.empty((), dtype=dtype).element_size()
+        rows = mem_bytes // esize // k
+        # The read buffer sits in transparent huge pages: with 4 KiB pages the same sum read
+        # 30-60 GB/s from run to run on this VM (page placement).
+        self._buf = mmap.mmap(-1, rows * k * esize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (shared gets no THP)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self._buf.madvise(mmap.MADV_HUGEPAGE)
+        with torch.inference_mode():
+            self._w = torch.frombuffer(self._buf, dtype=dtype).view(rows, k).normal_()
+            self._v = torch.randn(k, 1, dtype=dtype)
+            self._packed = (torch.ops.mkldnn._reorder_linear_weight(self._w, 1)
+                            if torch.backends.mkldnn.is_available() else None)
+        self.nbytes = rows * k * esize
+
+    def measure(self, repeats: int = 5) -> float:
+        """Bytes per second."""
+        import torch
+
+        w, v, flat = self._w, self._v, self._w.view(-1)
+        with torch.inference_mode():
+            read_s = min(best_s(lambda: w @ v, repeats), best_s(lambda: flat.sum(), repeats))
+            if self._packed is not None:
+                pw, vt = self._packed, v.T
+                read_s = min(read_s, best_s(
+                    lambda: torch.ops.mkldnn._linear_pointwise(vt, pw, None, "none", [], ""), repeats))
+        return self.nbytes / read_s
+
+    def close(self) -> None:
+        del self._w, self._v, self._packed
+        self._buf.close()
+
+
+def measure_matmul(dtype, repeats: int = 5) -> float:
+    """Matmul throughput (FLOP/s) on model-like shapes: torch matmul or oneDNN's pre-packed linear,
+    whichever is faster, best of ``repeats``."""
     import torch
-
-    def best(fn) -> float:
-        return best_s(fn, repeats)
-
-    packed = torch.backends.mkldnn.is_available()
 
     def linear_s(m: int, k: int, n: int) -> float:
         w, x = torch.randn(n, k, dtype=dtype), torch.randn(m, k, dtype=dtype)
-        t = best(lambda: x @ w.T)
-        if packed:
+        t = best_s(lambda: x @ w.T, repeats)
+        if torch.backends.mkldnn.is_available():
             pw = torch.ops.mkldnn._reorder_linear_weight(w, m)
-            t = min(t, best(lambda: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")))
+            t = min(t, best_s(lambda: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], ""), repeats))
         return t
 
     with torch.inference_mode():
-        esize = torch.empty((), dtype=dtype).element_size()
-        k = 896
-        # The read buffer sits in transparent huge pages: with 4 KiB pages the same sum read
-        # 30-60 GB/s from run to run on this VM (page placement), in huge pages 62-65 GB/s.
-        rows = mem_bytes // esize // k
-        buf = mmap.mmap(-1, rows * k * esize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (shared gets no THP)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        w = torch.frombuffer(buf, dtype=dtype).view(rows, k).normal_()
-        v = torch.randn(k, 1, dtype=dtype)
-        flat = w.view(-1)
-        read_s = min(best(lambda: w @ v), best(lambda: flat.sum()))
-        if packed:
-            pw = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-            read_s = min(read_s, best(lambda: torch.ops.mkldnn._linear_pointwise(v.T, pw, None, "none", [], "")))
-            del pw
-        bw = w.numel() * esize / read_s
-        del w, flat, buf
-        flops = max(2 * m * kk * n / linear_s(m, kk, n)
-                    for m, kk, n in ((256, 896, 4864), (512, 4864, 896), (1024, 1024, 1024)))
-    return Machine(bw, flops)
+        return max(2 * m * k * n / linear_s(m, k, n) for m, k, n in ((256, 896, 4864), (512, 4864, 896), (1024, 1024, 1024)))
+
+
+def measure_machine(dtype, repeats: int = 5, mem_bytes: int = 512 << 20) -> Machine:
+    """This machine's limit for ``dtype`` now: read bandwidth and matmul throughput."""
+    probe = BandwidthProbe(dtype, mem_bytes)
+    try:
+        bandwidth = probe.measure(repeats)
+    finally:
+        probe.close()
+    return Machine(bandwidth, measure_matmul(dtype, repeats))
