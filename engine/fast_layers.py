@@ -4,14 +4,21 @@ less Python around it.
 Why: on this 2-core CPU a B=1 decode step spends ~10-15 ms of ~50 in Python and dispatch inside
 transformers' layers (module ``__call__``, kwargs plumbing, decorators, one linear call per
 projection), time during which neither core reads weights. ``LeanQwen2`` runs the same
-operations in one flat loop and calls oneDNN's pre-packed linear directly, with q/k/v packed as
-one weight and gate/up as one weight (fewer, larger matrix products; the concatenation does not
-change any output column). RMSNorm, rotary embedding, SiLU·up and the residual adds are
-op-for-op the stock ones, in the stock dtypes, so fp32 logits match stock transformers (tests
-compare them at 1e-5) and bf16 rounds where stock rounds.
+operations in one flat loop, with q/k/v as one weight and gate/up as one weight (fewer, larger
+matrix products; the concatenation does not change any output column). RMSNorm, rotary
+embedding, SiLU·up and the residual adds are op-for-op the stock ones, in the stock dtypes, so
+fp32 logits match stock transformers (tests compare them at 1e-5) and bf16 rounds where stock
+rounds.
 
-Only the engine's own model gets it (``ModelRunner``); the model's parameters, state dict and
-stock ``forward`` are untouched, so a reference twin built by ``load_model`` stays stock.
+Each projection runs one of two kernels, by how many rows it multiplies: up to
+``engine.kernels.MAX_ROWS`` (a decode of one or two requests, the sampled rows of a prefill)
+miniserve's own gemv, which streams the plain weight front to back (1.26-1.39x oneDNN there,
+benchmarks/gemv_kernel.py); more rows, oneDNN's linear on a pre-packed copy. The plain fused
+weights are the model's own storage: q/k/v and gate/up parameters become views of them (same
+values, no extra memory).
+
+Only the engine's own model gets it (``ModelRunner``); the model's parameter values, state dict
+and stock ``forward`` are unchanged, so a reference twin built by ``load_model`` stays stock.
 Used only on CPU with oneDNN, for qwen2 models without sliding-window layers; anything else runs
 the stock forward.
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine import kernels
 from engine.attention import ragged_attention
 
 _linear = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
@@ -28,6 +36,15 @@ _linear = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
+    """One contiguous weight for several projections of the same input; their parameters become
+    views of it (same values), so the fused copy costs no memory."""
+    fused = torch.cat([m.weight.detach() for m in linears])
+    for m, part in zip(linears, fused.split([m.out_features for m in linears])):
+        m.weight.data = part
+    return fused
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,13 +73,14 @@ class LeanQwen2:
         self.rotary = inner.rotary_emb
         self.norm_w, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
         self.lm_head = model.lm_head
-        self.lm_w = model.lm_head.packed_weight
-        self.lm_b = model.lm_head.bias
+        self.lm = (model.lm_head.weight.detach(), model.lm_head.packed_weight, model.lm_head.bias)
+        self.gemv = kernels.gemv(model.dtype)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.layers = []
         for i, layer in enumerate(inner.layers):
             a, mlp = layer.self_attn, layer.mlp
-            qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            qkv_w = _fuse(a.q_proj, a.k_proj, a.v_proj)
+            gu_w = _fuse(mlp.gate_proj, mlp.up_proj)
             biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
             qkv_b = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
             if qkv_b is None and any(b is not None for b in biases):
@@ -70,10 +88,10 @@ class LeanQwen2:
             self.layers.append((
                 i, a.scaling, a.q_proj.out_features, a.k_proj.out_features,
                 layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                _pack(qkv_w), qkv_b, a.o_proj.packed_weight, a.o_proj.bias,
+                (qkv_w, _pack(qkv_w), qkv_b), (a.o_proj.weight.detach(), a.o_proj.packed_weight, a.o_proj.bias),
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                _pack(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])), mlp.gate_proj.out_features,
-                mlp.down_proj.packed_weight, mlp.down_proj.bias,
+                (gu_w, _pack(gu_w), None), mlp.gate_proj.out_features,
+                (mlp.down_proj.weight.detach(), mlp.down_proj.packed_weight, mlp.down_proj.bias),
             ))
             # the fused copies replace the per-projection packed ones (memory stays as it was);
             # those modules fall back to their stock forward if anything else calls them
@@ -89,6 +107,13 @@ class LeanQwen2:
                 and cfg.hidden_act == "silu" and set(layer_types) == {"full_attention"}
                 and hasattr(model.lm_head, "packed_weight"))
 
+    def _project(self, x: torch.Tensor, weights) -> torch.Tensor:
+        """x (rows, in) times one projection: (plain weight, packed weight, bias)."""
+        plain, packed, bias = weights
+        if self.gemv is not None and 0 < x.shape[0] <= kernels.MAX_ROWS:
+            return self.gemv(x.contiguous(), plain, bias)
+        return _linear(x, packed, bias, "none", [], "")
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, cache,
                  rows: torch.Tensor) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)  # (1, T, hidden)
@@ -96,11 +121,11 @@ class LeanQwen2:
         cos, sin = cos[:, None], sin[:, None]  # (1, 1, T, D): broadcast over heads
         t = h.shape[1]
         d = self.head_dim
-        for (i, scaling, nq, nkv, ln1, eps1, qkv_w, qkv_b, o_w, o_b, ln2, eps2, gu_w, inter, down_w,
-             down_b) in self.layers:
+        project = self._project
+        for i, scaling, nq, nkv, ln1, eps1, qkv, o, ln2, eps2, gu, inter, down in self.layers:
             residual = h
             x = _rms_norm(h, ln1, eps1)
-            qkv = _linear(x.view(t, -1), qkv_w, qkv_b, "none", [], "")
+            qkv = project(x.view(t, -1), qkv)
             # q and k heads sit side by side in qkv: one rotary pass over both (elementwise, so
             # the same values as rotating each)
             qk = qkv[:, :nq + nkv].view(1, t, -1, d).transpose(1, 2)
@@ -109,12 +134,12 @@ class LeanQwen2:
             v = qkv[:, nq + nkv:].view(1, t, -1, d).transpose(1, 2)
             k_store, v_store = cache.update(k, v, i)
             attn, _ = ragged_attention(None, q, k_store, v_store, batch, scaling=scaling)
-            attn = _linear(attn.reshape(t, -1), o_w, o_b, "none", [], "")
+            attn = project(attn.reshape(t, -1), o)
             h = residual + attn.view(1, t, -1)
             residual = h
             x = _rms_norm(h, ln2, eps2)
-            gu = _linear(x.view(t, -1), gu_w, None, "none", [], "")
-            x = _linear(F.silu(gu[:, :inter]) * gu[:, inter:], down_w, down_b, "none", [], "")
+            gu = project(x.view(t, -1), gu)
+            x = project(F.silu(gu[:, :inter]) * gu[:, inter:], down)
             h = residual + x.view(1, t, -1)
         h = _rms_norm(h[:, rows], self.norm_w, self.norm_eps)  # row-wise, so slicing first is exact
-        return _linear(h[0], self.lm_w, self.lm_b, "none", [], "")
+        return project(h[0], self.lm)

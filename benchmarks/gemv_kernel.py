@@ -1,0 +1,122 @@
+"""miniserve's gemv kernel (engine/kernels/gemv.cpp) against oneDNN's pre-packed linear, in one process.
+
+1. The model's weight matrices in order (24 layers' qkv, o, gate/up, down, then lm_head), each
+   multiplied by 1-4 rows: ms per pass and GB/s of weights read, oneDNN then the kernel,
+   alternating pass by pass so both see the same memory load. Past MAX_ROWS rows the kernel is
+   not used by the engine; 3 and 4 rows show why.
+2. Whole model calls through ModelRunner with the kernel switched off and on, alternating call by
+   call: decode B=1, 2, 3, 8 at context 256 and a 128-token prefill. Prints medians and the median
+   per-pair speedup, and how far the logits moved.
+
+    flock /tmp/miniserve-bench.lock python benchmarks/gemv_kernel.py [--dtypes float32,bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from roofline_calls import shape_plan
+
+from engine import kernels
+from engine.config import ModelConfig, SchedulerConfig
+from engine.model_runner import ModelRunner
+
+
+def weight_sequence(runner: ModelRunner) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(plain, packed) weights of every projection the engine runs, in forward order."""
+    lean = runner._lean
+    out = []
+    for layer in lean.layers:
+        out += [(w[0], w[1]) for w in layer if isinstance(w, tuple)]
+    return out + [lean.lm[:2]]
+
+
+def kernel_rates(runner: ModelRunner, gemv, dtype, rows_list, passes: int) -> None:
+    seq = weight_sequence(runner)
+    nbytes = sum(w.numel() * w.element_size() for w, _ in seq)
+    for rows in rows_list:
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(dtype) for w, _ in seq}
+
+        def onednn():
+            for w, p in seq:
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+
+        def mine():
+            for w, _ in seq:
+                gemv(xs[w.shape[1]], w, None)
+
+        a, b = [], []
+        fns = (onednn, mine) if rows <= kernels.MAX_ROWS else (onednn,)
+        for _ in range(passes + 1):
+            for fn, out in zip(fns, (a, b)):
+                t = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t)
+        ta = statistics.median(a[1:])
+        row = f"  {rows} row(s): oneDNN {1e3 * ta:6.1f} ms {nbytes / ta / 1e9:5.1f} GB/s"
+        if b:
+            tb = statistics.median(b[1:])
+            row += f" | gemv {1e3 * tb:6.1f} ms {nbytes / tb / 1e9:5.1f} GB/s | speedup {ta / tb:.2f}"
+        else:
+            row += " | gemv: not used past MAX_ROWS"
+        print(row, flush=True)
+
+
+def model_calls(runner: ModelRunner, gemv, repeats: int) -> dict[str, float]:
+    lean = runner._lean
+    speedups = {}
+    for name, contexts, chunks in (("decode B=1", [256], [1]), ("decode B=2", [256] * 2, [1] * 2),
+                                   ("decode B=3", [256] * 3, [1] * 3), ("decode B=8", [256] * 8, [1] * 8),
+                                   ("prefill 128", [0], [128])):
+        plan, reqs = shape_plan(runner, contexts, chunks, name.replace(" ", "_").replace("=", ""))
+        off, on, logits = [], [], []
+        for i in range(repeats + 2):
+            for kernel, out in ((None, off), (gemv, on)):
+                lean.gemv = kernel
+                result, lg = runner.execute(plan, reqs, return_logits=True)
+                if i >= 2:  # the first two pairs warm the shape
+                    out.append(result.duration_s)
+                if i == 0:
+                    logits.append(lg.float())
+        lean.gemv = gemv
+        runner.free(plan.request_ids)
+        s = statistics.median(a / b for a, b in zip(off, on))
+        speedups[name] = s
+        print(f"  {name:12s} oneDNN {1e3 * statistics.median(off):7.1f} ms | with gemv {1e3 * statistics.median(on):7.1f}"
+              f" ms | speedup {s:.2f} | max |Δlogit| {(logits[0] - logits[1]).abs().max().item():.1e}, "
+              f"same argmax {bool((logits[0].argmax(-1) == logits[1].argmax(-1)).all())}", flush=True)
+    return speedups
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2_5_0_5b")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=9)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    last = []
+    for d in args.dtypes.split(","):
+        dtype = getattr(torch, d)
+        gemv = kernels.gemv(dtype)
+        if gemv is None:
+            print(f"{d}: no gemv kernel on this machine (needs AVX-512{' and AVX512-BF16' if d == 'bfloat16' else ''}"
+                  " and a C++ compiler); the engine runs oneDNN")
+            continue
+        runner = ModelRunner(ModelConfig(name=args.model, dtype=d, num_threads=args.threads),
+                             SchedulerConfig(max_num_seqs=8, max_model_len=512))
+        print(f"{d}: the model's projections, one pass over all weights (threads={torch.get_num_threads()})")
+        kernel_rates(runner, gemv, dtype, (1, 2, 3, 4), args.repeats)
+        print(f"{d}: model calls, kernel off/on alternating")
+        speedups = model_calls(runner, gemv, args.repeats)
+        last.append(f"gemv_speedup_decode_b1_{d}={speedups['decode B=1']:.2f}")
+        del runner
+    print(" ".join(last))
+
+
+if __name__ == "__main__":
+    main()

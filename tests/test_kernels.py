@@ -1,0 +1,88 @@
+"""miniserve's gemv: the products oneDNN would give, the engine uses it for one or two rows
+only, and bad input is refused with a clear error."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import kernels
+from engine.config import ModelConfig, SchedulerConfig
+from engine.model_runner import ModelRunner
+from engine.plan import BatchPlan
+from engine.request import Request
+
+CPU_FLAGS = set(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), []))
+HAS_AVX512 = {"avx512f", "avx512bw"} <= CPU_FLAGS
+EXPECTED = {torch.float32: HAS_AVX512, torch.bfloat16: HAS_AVX512 and "avx512_bf16" in CPU_FLAGS}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_builds_wherever_the_cpu_can_run_it(dtype):
+    # a broken build must fail here, not fall back to oneDNN unnoticed
+    assert (kernels.gemv(dtype) is not None) == EXPECTED[dtype]
+
+
+def _reference(x, w, b):
+    y = x.double() @ w.double().T
+    return y + b.double() if b is not None else y
+
+
+NEEDS_KERNEL = pytest.mark.skipif(not EXPECTED[torch.float32],
+                                  reason="no AVX-512 here: test_the_kernel_builds_... holds that oneDNN runs instead")
+
+
+@NEEDS_KERNEL
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from([d for d, ok in EXPECTED.items() if ok]), rows=st.integers(1, kernels.MAX_ROWS),
+       k=st.integers(1, 300), n=st.integers(1, 300), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_gemv_equals_the_exact_product_up_to_rounding(dtype, rows, k, n, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    y = kernels.gemv(dtype)(x, w, b)
+    assert y.shape == (rows, n) and y.dtype == dtype
+    ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    # fp32: summation order only; bf16: also the one rounding of the fp32 sum to bf16 (2^-8 relative)
+    scale = x.double().abs() @ w.double().abs().T + (b.double().abs() if b is not None else 0)
+    tol = 1e-5 * scale + (2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
+    assert ((y.double() - ref).abs() <= tol).all()
+
+
+@NEEDS_KERNEL
+@pytest.mark.parametrize("make, message", [
+    (lambda: (torch.randn(3, 8), torch.randn(4, 8), None), "1 to 2 rows, got 3"),
+    (lambda: (torch.randn(0, 8), torch.randn(4, 8), None), "1 to 2 rows, got 0"),
+    (lambda: (torch.randn(1, 8), torch.randn(4, 8).bfloat16(), None), "w is BFloat16"),
+    (lambda: (torch.randn(1, 8), torch.randn(8, 4).T, None), "contiguous"),
+    (lambda: (torch.randn(1, 8), torch.randn(4, 9), None), "x has 8 columns, w has 9"),
+    (lambda: (torch.randn(1, 8), torch.randn(4, 8), torch.randn(5)), "bias must be"),
+    (lambda: (torch.randn(8), torch.randn(4, 8), None), "2-D"),
+])
+def test_bad_input_is_a_clear_error(make, message):
+    with pytest.raises(RuntimeError, match=message):
+        kernels.gemv(torch.float32)(*make())
+
+
+@NEEDS_KERNEL
+def test_the_engine_runs_the_kernel_for_one_or_two_rows_and_onednn_otherwise():
+    runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=4, max_model_len=64))
+    lean = runner._lean
+    real, calls = lean.gemv, []
+    lean.gemv = lambda x, w, b: calls.append(x.shape[0]) or real(x, w, b)
+    per_token_rows = 4 * runner.model.config.num_hidden_layers  # qkv, o, gate/up, down
+    reqs = {f"r{i}": Request(f"r{i}", list(range(1, 12)), 4) for i in range(3)}
+    ids = tuple(reqs)
+
+    def run(n, ctx, samples, expected):
+        calls.clear()
+        runner.execute(BatchPlan("continuous", ids[:len(n)], n, ctx, samples, sum(1 for t in n if t == 1)), reqs)
+        assert calls == expected
+
+    run((8, 8, 8), (0, 0, 0), (False, False, True), [1])  # prefill: 24 rows on oneDNN, lm_head's 1 row here
+    run((1,), (8,), (True,), [1] * (per_token_rows + 1))  # a decode of one request: every projection
+    run((1, 1), (9, 8), (True, True), [2] * (per_token_rows + 1))  # of two requests: every projection
+    run((1, 1, 1), (10, 9, 8), (True, True, True), [])  # of three: oneDNN throughout
