@@ -1,12 +1,12 @@
 """miniserve's gemv kernel (engine/kernels/gemv.cpp) against oneDNN's pre-packed linear, in one process.
 
 1. The model's weight matrices in order (24 layers' qkv, o, gate/up, down, then lm_head), each
-   multiplied by 1-4 rows: ms per pass and GB/s of weights read, oneDNN then the kernel,
-   alternating pass by pass so both see the same memory load. Past MAX_ROWS rows the kernel is
-   not used by the engine; 3 and 4 rows show why.
+   multiplied by 1-12 rows: ms per pass and GB/s of weights read, oneDNN then the kernel,
+   alternating pass by pass so both see the same memory load (past MAX_ROWS the engine does not
+   use the kernel; 12 rows shows oneDNN alone).
 2. Whole model calls through ModelRunner with the kernel switched off and on, alternating call by
-   call: decode B=1, 2, 3, 8 at context 256 and a 128-token prefill. Prints medians and the median
-   per-pair speedup, and how far the logits moved.
+   call: decode B=1, 2, 4, 8, 16 at context 256 and a 128-token prefill. Prints medians and the
+   median per-pair speedup, and how far the logits moved.
 
     flock /tmp/miniserve-bench.lock python benchmarks/gemv_kernel.py [--dtypes float32,bfloat16]
 """
@@ -25,28 +25,26 @@ from engine.config import ModelConfig, SchedulerConfig
 from engine.model_runner import ModelRunner
 
 
-def weight_sequence(runner: ModelRunner) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(plain, packed) weights of every projection the engine runs, in forward order."""
+def weight_sequence(runner: ModelRunner) -> list[tuple]:
+    """(panels, oneDNN-packed, bias, outputs) of every projection the engine runs, in forward order."""
     lean = runner._lean
-    out = []
-    for layer in lean.layers:
-        out += [(w[0], w[1]) for w in layer if isinstance(w, tuple)]
-    return out + [lean.lm[:2]]
+    return [w for layer in lean.layers for w in layer if isinstance(w, tuple)] + [lean.lm]
 
 
 def kernel_rates(runner: ModelRunner, gemv, dtype, rows_list, passes: int) -> None:
     seq = weight_sequence(runner)
-    nbytes = sum(w.numel() * w.element_size() for w, _ in seq)
+    esize = torch.empty((), dtype=dtype).element_size()
+    nbytes = sum(n * packed.size(1) * esize for _, packed, _, n in seq)
     for rows in rows_list:
-        xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(dtype) for w, _ in seq}
+        xs = {packed.size(1): torch.randn(rows, packed.size(1)).to(dtype) for _, packed, _, _ in seq}
 
         def onednn():
-            for w, p in seq:
-                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+            for _, packed, _, _ in seq:
+                torch.ops.mkldnn._linear_pointwise(xs[packed.size(1)], packed, None, "none", [], "")
 
         def mine():
-            for w, _ in seq:
-                gemv(xs[w.shape[1]], w, None)
+            for panels, packed, _, n in seq:
+                gemv(xs[packed.size(1)], panels, None, n)
 
         a, b = [], []
         fns = (onednn, mine) if rows <= kernels.MAX_ROWS else (onednn,)
@@ -68,9 +66,8 @@ def kernel_rates(runner: ModelRunner, gemv, dtype, rows_list, passes: int) -> No
 def model_calls(runner: ModelRunner, gemv, repeats: int) -> dict[str, float]:
     lean = runner._lean
     speedups = {}
-    for name, contexts, chunks in (("decode B=1", [256], [1]), ("decode B=2", [256] * 2, [1] * 2),
-                                   ("decode B=3", [256] * 3, [1] * 3), ("decode B=8", [256] * 8, [1] * 8),
-                                   ("prefill 128", [0], [128])):
+    for name, contexts, chunks in [(f"decode B={b}", [256] * b, [1] * b) for b in (1, 2, 4, 8, 16)] + [
+            ("prefill 128", [0], [128])]:
         plan, reqs = shape_plan(runner, contexts, chunks, name.replace(" ", "_").replace("=", ""))
         off, on, logits = [], [], []
         for i in range(repeats + 2):
@@ -108,12 +105,12 @@ def main() -> None:
                   " and a C++ compiler); the engine runs oneDNN")
             continue
         runner = ModelRunner(ModelConfig(name=args.model, dtype=d, num_threads=args.threads),
-                             SchedulerConfig(max_num_seqs=8, max_model_len=512))
+                             SchedulerConfig(max_num_seqs=16, max_model_len=512))
         print(f"{d}: the model's projections, one pass over all weights (threads={torch.get_num_threads()})")
-        kernel_rates(runner, gemv, dtype, (1, 2, 3, 4), args.repeats)
+        kernel_rates(runner, gemv, dtype, (1, 2, 4, 8, 12), args.repeats)
         print(f"{d}: model calls, kernel off/on alternating")
         speedups = model_calls(runner, gemv, args.repeats)
-        last.append(f"gemv_speedup_decode_b1_{d}={speedups['decode B=1']:.2f}")
+        last += [f"gemv_speedup_decode_b{b}_{d}={speedups[f'decode B={b}']:.2f}" for b in (1, 8)]
         del runner
     print(" ".join(last))
 

@@ -37,7 +37,7 @@ SHAPES = {  # name: (prior context per request, tokens per request)
     "prefill 512": ([0], [512]),
 }
 ISSUE_MACHINE = {"float32": Machine(21e9, 210e9), "bfloat16": Machine(21e9, 750e9)}  # issue #7's figures
-LINEAR_OPS = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm")
+LINEAR_OPS = ("mkldnn::_linear_pointwise", "miniserve::gemv", "aten::addmm", "aten::mm")
 
 
 def shape_plan(runner: ModelRunner, contexts: list[int], chunks: list[int], tag: str):

@@ -11,14 +11,13 @@ fp32 logits match stock transformers (tests compare them at 1e-5) and bf16 round
 rounds.
 
 Each projection runs one of two kernels, by how many rows it multiplies: up to
-``engine.kernels.MAX_ROWS`` (a decode of one or two requests, the sampled rows of a prefill)
-miniserve's own gemv, which streams the plain weight front to back (1.26-1.39x oneDNN there,
-benchmarks/gemv_kernel.py); more rows, oneDNN's linear on a pre-packed copy. The plain fused
-weights are the model's own storage: q/k/v and gate/up parameters become views of them (same
-values, no extra memory).
+``engine.kernels.MAX_ROWS`` (a decode step of up to eight requests, the sampled rows of a
+prefill) miniserve's own gemv over a panel-packed copy of the weight, which reads it at memory
+speed (benchmarks/gemv_kernel.py); more rows, oneDNN's linear over its pre-packed copy. Two
+packed copies beside the model's own weights: memory for speed, on a small model.
 
-Only the engine's own model gets it (``ModelRunner``); the model's parameter values, state dict
-and stock ``forward`` are unchanged, so a reference twin built by ``load_model`` stays stock.
+Only the engine's own model gets it (``ModelRunner``); the model's parameters, state dict and
+stock ``forward`` are untouched, so a reference twin built by ``load_model`` stays stock.
 Used only on CPU with oneDNN, for qwen2 models without sliding-window layers; anything else runs
 the stock forward.
 """
@@ -36,15 +35,6 @@ _linear = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-
-
-def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
-    """One contiguous weight for several projections of the same input; their parameters become
-    views of it (same values), so the fused copy costs no memory."""
-    fused = torch.cat([m.weight.detach() for m in linears])
-    for m, part in zip(linears, fused.split([m.out_features for m in linears])):
-        m.weight.data = part
-    return fused
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,14 +63,14 @@ class LeanQwen2:
         self.rotary = inner.rotary_emb
         self.norm_w, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
         self.lm_head = model.lm_head
-        self.lm = (model.lm_head.weight.detach(), model.lm_head.packed_weight, model.lm_head.bias)
         self.gemv = kernels.gemv(model.dtype)
+        self.lm = self._weights(model.lm_head.weight, model.lm_head.packed_weight, model.lm_head.bias)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.layers = []
         for i, layer in enumerate(inner.layers):
             a, mlp = layer.self_attn, layer.mlp
-            qkv_w = _fuse(a.q_proj, a.k_proj, a.v_proj)
-            gu_w = _fuse(mlp.gate_proj, mlp.up_proj)
+            qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
+            gu_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
             biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
             qkv_b = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
             if qkv_b is None and any(b is not None for b in biases):
@@ -88,10 +78,11 @@ class LeanQwen2:
             self.layers.append((
                 i, a.scaling, a.q_proj.out_features, a.k_proj.out_features,
                 layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                (qkv_w, _pack(qkv_w), qkv_b), (a.o_proj.weight.detach(), a.o_proj.packed_weight, a.o_proj.bias),
+                self._weights(qkv_w, _pack(qkv_w), qkv_b),
+                self._weights(a.o_proj.weight, a.o_proj.packed_weight, a.o_proj.bias),
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                (gu_w, _pack(gu_w), None), mlp.gate_proj.out_features,
-                (mlp.down_proj.weight.detach(), mlp.down_proj.packed_weight, mlp.down_proj.bias),
+                self._weights(gu_w, _pack(gu_w), None), mlp.gate_proj.out_features,
+                self._weights(mlp.down_proj.weight, mlp.down_proj.packed_weight, mlp.down_proj.bias),
             ))
             # the fused copies replace the per-projection packed ones (memory stays as it was);
             # those modules fall back to their stock forward if anything else calls them
@@ -107,11 +98,16 @@ class LeanQwen2:
                 and cfg.hidden_act == "silu" and set(layer_types) == {"full_attention"}
                 and hasattr(model.lm_head, "packed_weight"))
 
+    def _weights(self, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+        """One projection as its kernels take it: (gemv panels or None, oneDNN-packed, bias, outputs)."""
+        panels = kernels.pack_panels(weight) if self.gemv is not None else None
+        return panels, packed, None if bias is None else bias.detach(), weight.shape[0]
+
     def _project(self, x: torch.Tensor, weights) -> torch.Tensor:
-        """x (rows, in) times one projection: (plain weight, packed weight, bias)."""
-        plain, packed, bias = weights
-        if self.gemv is not None and 0 < x.shape[0] <= kernels.MAX_ROWS:
-            return self.gemv(x.contiguous(), plain, bias)
+        """x (rows, in) times one projection."""
+        panels, packed, bias, n = weights
+        if panels is not None and self.gemv is not None and 0 < x.shape[0] <= kernels.MAX_ROWS:
+            return self.gemv(x.contiguous(), panels, bias, n)
         return _linear(x, packed, bias, "none", [], "")
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, cache,

@@ -1,5 +1,5 @@
-"""miniserve's gemv: the products oneDNN would give, the engine uses it for one or two rows
-only, and bad input is refused with a clear error."""
+"""miniserve's gemv: the exact product up to rounding, the engine runs it for up to eight rows and
+oneDNN above, and bad input is refused with a clear error."""
 
 from pathlib import Path
 
@@ -17,7 +17,7 @@ from engine.request import Request
 CPU_FLAGS = set(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("flags")), []))
 HAS_AVX512 = {"avx512f", "avx512bw"} <= CPU_FLAGS
-EXPECTED = {torch.float32: HAS_AVX512, torch.bfloat16: HAS_AVX512 and "avx512_bf16" in CPU_FLAGS}
+EXPECTED = {torch.float32: HAS_AVX512, torch.bfloat16: HAS_AVX512 and {"avx512vl", "avx512_bf16"} <= CPU_FLAGS}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -43,7 +43,7 @@ def test_gemv_equals_the_exact_product_up_to_rounding(dtype, rows, k, n, bias, s
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    y = kernels.gemv(dtype)(x, w, b)
+    y = kernels.gemv(dtype)(x, kernels.pack_panels(w), b, n)
     assert y.shape == (rows, n) and y.dtype == dtype
     ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
     # fp32: summation order only; bf16: also the one rounding of the fp32 sum to bf16 (2^-8 relative)
@@ -52,15 +52,30 @@ def test_gemv_equals_the_exact_product_up_to_rounding(dtype, rows, k, n, bias, s
     assert ((y.double() - ref).abs() <= tol).all()
 
 
+def test_panels_hold_each_weight_once_with_zero_padding():
+    w = torch.arange(1.0, 1.0 + 40 * 3).view(40, 3)  # 40 outputs: two panels, the second 8/32 full
+    p = kernels.pack_panels(w)
+    assert p.shape == (2, 3, kernels.PANEL)
+    assert torch.equal(p[1, :, :8], w[32:].T) and not p[1, :, 8:].any()
+    pb = kernels.pack_panels(w.bfloat16())  # k in pairs, an odd K padded with a zero column
+    assert pb.shape == (2, 2, kernels.PANEL, 2)
+    assert torch.equal(pb[0, 1, 5], torch.tensor([w[5, 2], 0.0]).bfloat16())
+
+
+def _case(x, w, b=None, n=None):
+    return x, kernels.pack_panels(w), b, w.shape[0] if n is None else n
+
+
 @NEEDS_KERNEL
 @pytest.mark.parametrize("make, message", [
-    (lambda: (torch.randn(3, 8), torch.randn(4, 8), None), "1 to 2 rows, got 3"),
-    (lambda: (torch.randn(0, 8), torch.randn(4, 8), None), "1 to 2 rows, got 0"),
-    (lambda: (torch.randn(1, 8), torch.randn(4, 8).bfloat16(), None), "w is BFloat16"),
-    (lambda: (torch.randn(1, 8), torch.randn(8, 4).T, None), "contiguous"),
-    (lambda: (torch.randn(1, 8), torch.randn(4, 9), None), "x has 8 columns, w has 9"),
-    (lambda: (torch.randn(1, 8), torch.randn(4, 8), torch.randn(5)), "bias must be"),
-    (lambda: (torch.randn(8), torch.randn(4, 8), None), "2-D"),
+    (lambda: _case(torch.randn(9, 8), torch.randn(4, 8)), "1 to 8 rows, got 9"),
+    (lambda: _case(torch.randn(0, 8), torch.randn(4, 8)), "1 to 8 rows, got 0"),
+    (lambda: _case(torch.randn(1, 8), torch.randn(4, 8).bfloat16()), "the panels are BFloat16"),
+    (lambda: _case(torch.randn(8, 2).T, torch.randn(4, 8)), "contiguous"),
+    (lambda: _case(torch.randn(1, 8), torch.randn(4, 9)), "do not hold 4 outputs of 8 inputs"),
+    (lambda: _case(torch.randn(1, 8), torch.randn(4, 8), n=40), "do not hold 40 outputs"),
+    (lambda: _case(torch.randn(1, 8), torch.randn(4, 8), torch.randn(5)), "bias must be"),
+    (lambda: _case(torch.randn(8), torch.randn(4, 8)), "2-D"),
 ])
 def test_bad_input_is_a_clear_error(make, message):
     with pytest.raises(RuntimeError, match=message):
@@ -68,13 +83,13 @@ def test_bad_input_is_a_clear_error(make, message):
 
 
 @NEEDS_KERNEL
-def test_the_engine_runs_the_kernel_for_one_or_two_rows_and_onednn_otherwise():
+def test_the_engine_runs_the_kernel_up_to_eight_rows_and_onednn_above():
     runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=4, max_model_len=64))
     lean = runner._lean
     real, calls = lean.gemv, []
-    lean.gemv = lambda x, w, b: calls.append(x.shape[0]) or real(x, w, b)
+    lean.gemv = lambda x, *rest: calls.append(x.shape[0]) or real(x, *rest)
     per_token_rows = 4 * runner.model.config.num_hidden_layers  # qkv, o, gate/up, down
-    reqs = {f"r{i}": Request(f"r{i}", list(range(1, 12)), 4) for i in range(3)}
+    reqs = {f"r{i}": Request(f"r{i}", list(range(1, 20)), 4) for i in range(4)}
     ids = tuple(reqs)
 
     def run(n, ctx, samples, expected):
@@ -84,5 +99,5 @@ def test_the_engine_runs_the_kernel_for_one_or_two_rows_and_onednn_otherwise():
 
     run((8, 8, 8), (0, 0, 0), (False, False, True), [1])  # prefill: 24 rows on oneDNN, lm_head's 1 row here
     run((1,), (8,), (True,), [1] * (per_token_rows + 1))  # a decode of one request: every projection
-    run((1, 1), (9, 8), (True, True), [2] * (per_token_rows + 1))  # of two requests: every projection
-    run((1, 1, 1), (10, 9, 8), (True, True, True), [])  # of three: oneDNN throughout
+    run((1, 1, 1), (9, 8, 8), (True, True, True), [3] * (per_token_rows + 1))  # of three: every projection
+    run((1, 8), (10, 0), (True, True), [2])  # 9 rows on oneDNN; two sampled rows here

@@ -1,7 +1,8 @@
 """The engine's own CPU kernel (gemv.cpp), compiled once per machine at first use.
 
-``gemv(dtype)`` returns ``torch.ops.miniserve.gemv`` when this CPU can run it for ``dtype``, else
-None, and the engine keeps oneDNN for those calls. The build (a few seconds with g++ and ninja) is
+``gemv(dtype)`` returns ``torch.ops.miniserve.gemv`` (x, panels, bias, N) when this CPU can run
+it for ``dtype``, else None, and the engine keeps oneDNN for those calls; ``pack_panels`` lays a
+weight out for it. The build (a few seconds with g++ and ninja) is
 cached by torch.utils.cpp_extension under ``$TORCH_EXTENSIONS_DIR`` (default
 ~/.cache/torch_extensions) and redone only when the source changes; concurrent processes wait on
 its lock. A machine without a compiler gets a warning and the slower path, not an error.
@@ -15,8 +16,10 @@ import os
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-MAX_ROWS = 2  # the kernel's limit (kMaxRows in gemv.cpp): where it beats oneDNN (benchmarks/gemv_kernel.py)
+MAX_ROWS = 8  # rows per call the kernel takes (kMaxRows in gemv.cpp)
+PANEL = 32  # output columns per panel (kPanel in gemv.cpp)
 SOURCE = Path(__file__).with_name("gemv.cpp")
 log = logging.getLogger("miniserve.kernels")
 
@@ -37,6 +40,21 @@ def _load() -> bool:
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
         return False
     return True
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """w (N, K) in the kernel's layout: panels of PANEL output columns, k-major inside a panel,
+    so a panel's weights for one k (fp32) or one pair of k (bf16, for its pairwise dot product)
+    are one contiguous 128 bytes. Zero-padded past N (and past an odd K in bf16)."""
+    n, k = w.shape
+    panels = -(-n // PANEL)
+    w = w.detach()
+    if w.dtype == torch.bfloat16:
+        pad_k = k % 2
+        w = F.pad(w, (0, pad_k, 0, panels * PANEL - n))
+        return w.view(panels, PANEL, (k + pad_k) // 2, 2).permute(0, 2, 1, 3).contiguous()
+    w = F.pad(w, (0, 0, 0, panels * PANEL - n))
+    return w.view(panels, PANEL, k).permute(0, 2, 1).contiguous()
 
 
 def gemv(dtype: torch.dtype):

@@ -1,15 +1,17 @@
-// miniserve::gemv — y (M, N) = x (M, K) · w (N, K)ᵀ + bias, for M of 1 or 2 (a decode of one or two
-// requests, the sampled row of a prefill).
+// miniserve::gemv — y (M, N) = x (M, K) · wᵀ + bias for decode-sized M (1 to 8 rows: a decode
+// step of up to eight requests, the sampled rows of a prefill), with w pre-arranged in panels.
 //
-// Why: a decode step reads every weight once and does almost no arithmetic with it, so its time
-// is how fast the weights stream from memory. At one or two rows oneDNN's linear reads the 0.5B
-// model's weights at 25-31 GB/s on this 2-core VM, less than at three rows (35-38), while a plain
-// sweep of the same bytes reaches 50-60. This kernel walks each thread's contiguous half of w
-// front to back, one row at a time (one forward stream the hardware prefetcher keeps ahead of),
-// and applies that row to each input row while it is in L1: 40-49 GB/s, 1.5x oneDNN on whole
-// decode calls of one request (benchmarks/gemv_kernel.py). fp32 uses FMA, bf16 AVX512-BF16 dot
-// products (bf16 products summed in fp32, as oneDNN's bf16 matmul does); the bias is added in
-// fp32 and the result rounded once to the input dtype.
+// Why: a decode step reads every weight once and does little arithmetic with it, so its time is
+// how fast the weights stream from memory. At 1-8 rows oneDNN's linear reads the 0.5B model's
+// weights at 23-31 GB/s on this 2-core VM (least at 1, 2 and 8 rows), below what a plain sweep of
+// the same bytes reaches. Here each weight byte is loaded once, in address order, and used for
+// all M rows while it is in a register: w is stored as panels of 32 output columns
+// (engine/kernels/__init__.py pack_panels), so one k step of a panel is two vectors holding 32
+// outputs' weights; each row's x[k] is broadcast and multiplied in (fp32 FMA; bf16 AVX512-BF16
+// dot products over k pairs, summed in fp32 as oneDNN's bf16 matmul does). Accumulators stay in
+// registers for the whole K, so there are no reductions across lanes. Each thread takes a
+// contiguous run of panels: one forward stream. The bias is added in fp32 and the result rounded
+// once to the input dtype. benchmarks/gemv_kernel.py measures it against oneDNN.
 //
 // Built at first use by engine/kernels/__init__.py (torch.utils.cpp_extension). The kernels are
 // compiled for AVX-512 with target attributes and only run where the CPU has it
@@ -22,6 +24,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -30,89 +33,99 @@
 
 namespace {
 
-// Past two rows oneDNN's blocked kernels win (they reuse each loaded weight across more rows);
-// engine/kernels/__init__.py MAX_ROWS mirrors this.
-constexpr int64_t kMaxRows = 2;
+constexpr int64_t kPanel = 32;   // output columns per panel (engine/kernels/__init__.py PANEL)
+constexpr int64_t kMaxRows = 8;  // accumulators: 2 vectors per row, 16 of the 32 registers
 
 #ifdef MINISERVE_X86
 
-bool cpu_has(const char* what) {
+bool cpu_has(bool bf16) {
   __builtin_cpu_init();
-  if (what[0] == 'f') return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512bf16");
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return bf16 ? avx512 && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") : avx512;
 }
 
-// U independent accumulators per input row hide the FMA latency: 4 for one row, 2 for several
-template <int M, int U = (M == 1 ? 4 : 2)>
-__attribute__((target("avx512f,avx512bw,fma"))) void rows_f32(const float* x, const float* w, const float* bias,
-                                                                float* y, int64_t n0, int64_t n1, int64_t K,
-                                                                int64_t N) {
-  const int64_t body = K / (16 * U) * (16 * U);
-  for (int64_t n = n0; n < n1; ++n) {
-    const float* wr = w + n * K;
-    __m512 a[M][U];
-    for (int m = 0; m < M; ++m)
-      for (int u = 0; u < U; ++u) a[m][u] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k < body; k += 16 * U) {
-      for (int u = 0; u < U; ++u) {
-        const __m512 wv = _mm512_loadu_ps(wr + k + 16 * u);
-        for (int m = 0; m < M; ++m) a[m][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k + 16 * u), a[m][u]);
+__attribute__((target("avx512f"))) inline __mmask16 lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
+// wp: (panels, K, 32) fp32
+template <int M>
+__attribute__((target("avx512f,avx512bw,fma"))) void panels_f32(const float* x, const float* wp, const float* bias,
+                                                                  float* y, int64_t p0, int64_t p1, int64_t K,
+                                                                  int64_t N) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* w = wp + p * K * kPanel;
+    __m512 a0[M], a1[M];
+    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      const __m512 w0 = _mm512_loadu_ps(w + k * kPanel), w1 = _mm512_loadu_ps(w + k * kPanel + 16);
+      for (int m = 0; m < M; ++m) {
+        const __m512 xb = _mm512_set1_ps(x[m * K + k]);
+        a0[m] = _mm512_fmadd_ps(w0, xb, a0[m]);
+        a1[m] = _mm512_fmadd_ps(w1, xb, a1[m]);
       }
     }
-    for (; k < K; k += 16) {
-      const __mmask16 mask = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
-      const __m512 wv = _mm512_maskz_loadu_ps(mask, wr + k);
-      for (int m = 0; m < M; ++m) a[m][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x + m * K + k), a[m][0]);
-    }
-    const float b = bias ? bias[n] : 0.0f;
+    const int64_t n0 = p * kPanel;
+    const __mmask16 k0 = lanes(N - n0), k1 = lanes(N - n0 - 16);
+    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(k0, bias + n0) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? _mm512_maskz_loadu_ps(k1, bias + n0 + 16) : _mm512_setzero_ps();
     for (int m = 0; m < M; ++m) {
-      for (int u = 1; u < U; ++u) a[m][0] = _mm512_add_ps(a[m][0], a[m][u]);
-      y[m * N + n] = _mm512_reduce_add_ps(a[m][0]) + b;
+      _mm512_mask_storeu_ps(y + m * N + n0, k0, _mm512_add_ps(a0[m], b0));
+      _mm512_mask_storeu_ps(y + m * N + n0 + 16, k1, _mm512_add_ps(a1[m], b1));
     }
   }
 }
 
-template <int M, int U = (M == 1 ? 4 : 2)>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void rows_bf16(const uint16_t* x, const uint16_t* w,
-                                                                       const uint16_t* bias, c10::BFloat16* y,
-                                                                       int64_t n0, int64_t n1, int64_t K, int64_t N) {
-  const int64_t body = K / (32 * U) * (32 * U);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint16_t* wr = w + n * K;
-    __m512 a[M][U];
-    for (int m = 0; m < M; ++m)
-      for (int u = 0; u < U; ++u) a[m][u] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k < body; k += 32 * U) {
-      for (int u = 0; u < U; ++u) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k + 32 * u);
-        for (int m = 0; m < M; ++m)
-          a[m][u] = _mm512_dpbf16_ps(a[m][u], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u));
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 bf16_to_f32(const uint16_t* p, __mmask16 mask) {
+  const __m256i v = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// wp: (panels, ceil(K / 2), 32, 2) bf16: lane j of a vector holds output j's weights for k pair kk
+template <int M>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panels_bf16(
+    const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y, int64_t p0, int64_t p1, int64_t K,
+    int64_t N) {
+  const int64_t pairs = (K + 1) / 2, full = K / 2;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint16_t* w = wp + p * pairs * kPanel * 2;
+    __m512 a0[M], a1[M];
+    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < pairs; ++kk) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + kk * kPanel * 2);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kk * kPanel * 2 + 32);
+      const bool whole = kk < full;  // false only for the last pair of an odd K (its high half is 0)
+      for (int m = 0; m < M; ++m) {
+        // x[2kk] in the low half of each 32-bit lane, x[2kk + 1] in the high: broadcast, one dot product
+        uint32_t pair = x[m * K + K - 1];
+        if (whole) std::memcpy(&pair, x + m * K + 2 * kk, 4);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        a0[m] = _mm512_dpbf16_ps(a0[m], w0, xb);
+        a1[m] = _mm512_dpbf16_ps(a1[m], w1, xb);
       }
     }
-    for (; k < K; k += 32) {
-      const __mmask32 mask = K - k >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (K - k)) - 1);
-      const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + k);
-      for (int m = 0; m < M; ++m)
-        a[m][0] = _mm512_dpbf16_ps(a[m][0], w0, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k));
-    }
-    float b = 0.0f;
-    if (bias) b = static_cast<float>(c10::BFloat16(bias[n], c10::BFloat16::from_bits()));
-    for (int m = 0; m < M; ++m) {
-      for (int u = 1; u < U; ++u) a[m][0] = _mm512_add_ps(a[m][0], a[m][u]);
-      y[m * N + n] = c10::BFloat16(_mm512_reduce_add_ps(a[m][0]) + b);  // rounds to nearest even
+    const int64_t n0 = p * kPanel;
+    const __mmask16 k0 = lanes(N - n0), k1 = lanes(N - n0 - 16);
+    const __m512 b0 = bias ? bf16_to_f32(bias + n0, k0) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? bf16_to_f32(bias + n0 + 16, k1) : _mm512_setzero_ps();
+    for (int m = 0; m < M; ++m) {  // round to nearest even, once
+      _mm256_mask_storeu_epi16(y + m * N + n0, k0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a0[m], b0)));
+      _mm256_mask_storeu_epi16(y + m * N + n0 + 16, k1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a1[m], b1)));
     }
   }
 }
 
 template <typename Fn>
 void for_rows(int64_t M, Fn&& fn) {
-  if (M == 1) {
-    fn(std::integral_constant<int, 1>{});
-  } else {
-    fn(std::integral_constant<int, 2>{});
+  switch (M) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    default: fn(std::integral_constant<int, 8>{}); break;
   }
 }
 
@@ -120,20 +133,24 @@ void for_rows(int64_t M, Fn&& fn) {
 
 bool gemv_supported(at::ScalarType dtype) {
 #ifdef MINISERVE_X86
-  if (dtype == at::kFloat) return cpu_has("f32");
-  if (dtype == at::kBFloat16) return cpu_has("bf16");
+  if (dtype == at::kFloat) return cpu_has(false);
+  if (dtype == at::kBFloat16) return cpu_has(true);
 #endif
   return false;
 }
 
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias, int64_t N) {
   TORCH_CHECK(gemv_supported(x.scalar_type()), "miniserve::gemv: no kernel for ", x.scalar_type(), " on this CPU");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "miniserve::gemv: x and w must be 2-D");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "miniserve::gemv: x and w must be contiguous");
-  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "miniserve::gemv: x is ", x.scalar_type(), ", w is ",
-              w.scalar_type());
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K, "miniserve::gemv: x has ", K, " columns, w has ", w.size(1));
+  TORCH_CHECK(x.dim() == 2, "miniserve::gemv: x must be 2-D (rows, K)");
+  TORCH_CHECK(x.is_contiguous() && wp.is_contiguous(), "miniserve::gemv: x and the panels must be contiguous");
+  TORCH_CHECK(wp.scalar_type() == x.scalar_type(), "miniserve::gemv: x is ", x.scalar_type(), ", the panels are ",
+              wp.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1), panels = (N + kPanel - 1) / kPanel;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const std::vector<int64_t> shape = bf16 ? std::vector<int64_t>{panels, (K + 1) / 2, kPanel, 2}
+                                          : std::vector<int64_t>{panels, K, kPanel};
+  TORCH_CHECK(N >= 1 && wp.sizes() == at::IntArrayRef(shape), "miniserve::gemv: panels of shape ", wp.sizes(),
+              " do not hold ", N, " outputs of ", K, " inputs (pack them with engine.kernels.pack_panels)");
   TORCH_CHECK(M >= 1 && M <= kMaxRows, "miniserve::gemv: 1 to ", kMaxRows, " rows, got ", M);
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
@@ -143,20 +160,24 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   }
   at::Tensor y = at::empty({M, N}, x.options());
 #ifdef MINISERVE_X86
-  // contiguous halves of w per thread: each thread reads one forward stream
-  const int64_t grain = std::max<int64_t>(64, N / std::max(1, at::get_num_threads()));
-  if (x.scalar_type() == at::kFloat) {
-    const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>(), *bp = has_bias ? bias->data_ptr<float>() : nullptr;
+  const int64_t grain = std::max<int64_t>(1, panels / std::max(1, at::get_num_threads()));
+  if (!bf16) {
+    const float *xp = x.data_ptr<float>(), *wpp = wp.data_ptr<float>();
+    const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
     float* yp = y.data_ptr<float>();
     for_rows(M, [&](auto rows) {
-      at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { rows_f32<decltype(rows)::value>(xp, wp, bp, yp, n0, n1, K, N); });
+      at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+        panels_f32<decltype(rows)::value>(xp, wpp, bp, yp, p0, p1, K, N);
+      });
     });
   } else {
-    auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<c10::BFloat16>()); };
-    const uint16_t *xp = bits(x), *wp = bits(w), *bp = has_bias ? bits(*bias) : nullptr;
-    c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+    auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); };
+    const uint16_t *xp = bits(x), *wpp = bits(wp), *bp = has_bias ? bits(*bias) : nullptr;
+    uint16_t* yp = bits(y);
     for_rows(M, [&](auto rows) {
-      at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { rows_bf16<decltype(rows)::value>(xp, wp, bp, yp, n0, n1, K, N); });
+      at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+        panels_bf16<decltype(rows)::value>(xp, wpp, bp, yp, p0, p1, K, N);
+      });
     });
   }
 #endif
@@ -166,7 +187,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
 }  // namespace
 
 TORCH_LIBRARY(miniserve, m) {
-  m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("gemv(Tensor x, Tensor panels, Tensor? bias, int N) -> Tensor");
   m.def("gemv_supported(ScalarType dtype) -> bool", &gemv_supported);
 }
 
