@@ -26,7 +26,7 @@ from engine.model_runner import ModelRunner
 
 
 def weight_sequence(runner: ModelRunner) -> list[tuple]:
-    """(panels, oneDNN-packed, bias, outputs) of every projection the engine runs, in forward order."""
+    """(panels, oneDNN-packed, bias) of every projection the engine runs, in forward order."""
     lean = runner._lean
     return [w for layer in lean.layers for w in layer if isinstance(w, tuple)] + [lean.lm]
 
@@ -34,17 +34,17 @@ def weight_sequence(runner: ModelRunner) -> list[tuple]:
 def kernel_rates(runner: ModelRunner, gemv, dtype, rows_list, passes: int) -> None:
     seq = weight_sequence(runner)
     esize = torch.empty((), dtype=dtype).element_size()
-    nbytes = sum(n * packed.size(1) * esize for _, packed, _, n in seq)
+    nbytes = sum(panels.n * panels.k * esize for panels, _, _ in seq)
     for rows in rows_list:
-        xs = {packed.size(1): torch.randn(rows, packed.size(1)).to(dtype) for _, packed, _, _ in seq}
+        xs = {panels.k: torch.randn(rows, panels.k).to(dtype) for panels, _, _ in seq}
 
         def onednn():
-            for _, packed, _, _ in seq:
-                torch.ops.mkldnn._linear_pointwise(xs[packed.size(1)], packed, None, "none", [], "")
+            for panels, packed, _ in seq:
+                torch.ops.mkldnn._linear_pointwise(xs[panels.k], packed, None, "none", [], "")
 
         def mine():
-            for panels, packed, _, n in seq:
-                gemv(xs[packed.size(1)], panels, None, n)
+            for panels, _, _ in seq:
+                gemv(xs[panels.k], panels, None)
 
         a, b = [], []
         fns = (onednn, mine) if rows <= kernels.MAX_ROWS else (onednn,)

@@ -8,7 +8,8 @@ bandwidth and matmul throughput, time the call (median of ``--repeats``); the ca
 the faster of the probes just before and just after it, and the ratio reported is the median over
 rounds. Issue #7's fixed figures (21 GB/s; 210 GFLOP/s fp32, 750 bf16) are shown beside it.
 
-Then one profiled pass per shape splits the call: linears (oneDNN), attention (SDPA) and the rest
+Then one profiled pass per shape splits the call: linears (oneDNN or miniserve's gemv), attention
+(SDPA) and the rest
 (norms, rotary, activations, KV writes, sampling, Python between them), with the rate the linears
 reached. That split says which kernel keeps a shape off its roofline.
 

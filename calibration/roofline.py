@@ -88,7 +88,7 @@ class BandwidthProbe:
     against a probe taken in the same spell, so benchmarks interleave the two.
 
     Probes: a sum over a buffer far larger than cache, torch's matrix-vector product, and oneDNN's
-    pre-packed matrix-vector product (what the engine's decode runs) over the same buffer; the
+    pre-packed matrix-vector product over the same buffer; the
     fastest of them, each best of ``repeats``. Best-of and fastest-of because noise only ever
     slows a probe down, and a limit must not be understated.
     """

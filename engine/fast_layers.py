@@ -84,8 +84,8 @@ class LeanQwen2:
                 self._weights(gu_w, _pack(gu_w), None), mlp.gate_proj.out_features,
                 self._weights(mlp.down_proj.weight, mlp.down_proj.packed_weight, mlp.down_proj.bias),
             ))
-            # the fused copies replace the per-projection packed ones (memory stays as it was);
-            # those modules fall back to their stock forward if anything else calls them
+            # the fused packed copies replace the per-projection ones; those modules fall back to
+            # their stock forward if anything else calls them
             for m in (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj):
                 del m.packed_weight
                 del m.forward
@@ -99,15 +99,15 @@ class LeanQwen2:
                 and hasattr(model.lm_head, "packed_weight"))
 
     def _weights(self, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-        """One projection as its kernels take it: (gemv panels or None, oneDNN-packed, bias, outputs)."""
+        """One projection as its kernels take it: (gemv panels or None, oneDNN-packed, bias)."""
         panels = kernels.pack_panels(weight) if self.gemv is not None else None
-        return panels, packed, None if bias is None else bias.detach(), weight.shape[0]
+        return panels, packed, None if bias is None else bias.detach()
 
     def _project(self, x: torch.Tensor, weights) -> torch.Tensor:
         """x (rows, in) times one projection."""
-        panels, packed, bias, n = weights
+        panels, packed, bias = weights
         if panels is not None and self.gemv is not None and 0 < x.shape[0] <= kernels.MAX_ROWS:
-            return self.gemv(x.contiguous(), panels, bias, n)
+            return self.gemv(x.contiguous(), panels, bias)
         return _linear(x, packed, bias, "none", [], "")
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, cache,

@@ -1,6 +1,7 @@
 """miniserve's gemv: the exact product up to rounding, the engine runs it for up to eight rows and
 oneDNN above, and bad input is refused with a clear error."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -16,19 +17,14 @@ from engine.request import Request
 
 CPU_FLAGS = set(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("flags")), []))
-HAS_AVX512 = {"avx512f", "avx512bw"} <= CPU_FLAGS
-EXPECTED = {torch.float32: HAS_AVX512, torch.bfloat16: HAS_AVX512 and {"avx512vl", "avx512_bf16"} <= CPU_FLAGS}
+HAS_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= CPU_FLAGS  # torch's "AVX512" capability
+EXPECTED = {torch.float32: HAS_AVX512, torch.bfloat16: HAS_AVX512 and "avx512_bf16" in CPU_FLAGS}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_builds_wherever_the_cpu_can_run_it(dtype):
     # a broken build must fail here, not fall back to oneDNN unnoticed
     assert (kernels.gemv(dtype) is not None) == EXPECTED[dtype]
-
-
-def _reference(x, w, b):
-    y = x.double() @ w.double().T
-    return y + b.double() if b is not None else y
 
 
 NEEDS_KERNEL = pytest.mark.skipif(not EXPECTED[torch.float32],
@@ -43,7 +39,7 @@ def test_gemv_equals_the_exact_product_up_to_rounding(dtype, rows, k, n, bias, s
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    y = kernels.gemv(dtype)(x, kernels.pack_panels(w), b, n)
+    y = kernels.gemv(dtype)(x, kernels.pack_panels(w), b)
     assert y.shape == (rows, n) and y.dtype == dtype
     ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
     # fp32: summation order only; bf16: also the one rounding of the fp32 sum to bf16 (2^-8 relative)
@@ -55,15 +51,17 @@ def test_gemv_equals_the_exact_product_up_to_rounding(dtype, rows, k, n, bias, s
 def test_panels_hold_each_weight_once_with_zero_padding():
     w = torch.arange(1.0, 1.0 + 40 * 3).view(40, 3)  # 40 outputs: two panels, the second 8/32 full
     p = kernels.pack_panels(w)
-    assert p.shape == (2, 3, kernels.PANEL)
-    assert torch.equal(p[1, :, :8], w[32:].T) and not p[1, :, 8:].any()
+    assert (p.n, p.k, p.data.shape) == (40, 3, (2, 3, kernels.PANEL))
+    assert torch.equal(p.data[1, :, :8], w[32:].T) and not p.data[1, :, 8:].any()
     pb = kernels.pack_panels(w.bfloat16())  # k in pairs, an odd K padded with a zero column
-    assert pb.shape == (2, 2, kernels.PANEL, 2)
-    assert torch.equal(pb[0, 1, 5], torch.tensor([w[5, 2], 0.0]).bfloat16())
+    assert pb.data.shape == (2, 2, kernels.PANEL, 2)
+    assert torch.equal(pb.data[0, 1, 5], torch.tensor([w[5, 2], 0.0]).bfloat16())
 
 
-def _case(x, w, b=None, n=None):
-    return x, kernels.pack_panels(w), b, w.shape[0] if n is None else n
+def _case(x, w, bias=None, n=None, k=None):
+    """Arguments of the raw op, as the engine's wrapper would pass them unless overridden."""
+    p = kernels.pack_panels(w)
+    return x, p.data, bias, p.n if n is None else n, p.k if k is None else k
 
 
 @NEEDS_KERNEL
@@ -72,14 +70,44 @@ def _case(x, w, b=None, n=None):
     (lambda: _case(torch.randn(0, 8), torch.randn(4, 8)), "1 to 8 rows, got 0"),
     (lambda: _case(torch.randn(1, 8), torch.randn(4, 8).bfloat16()), "the panels are BFloat16"),
     (lambda: _case(torch.randn(8, 2).T, torch.randn(4, 8)), "contiguous"),
-    (lambda: _case(torch.randn(1, 8), torch.randn(4, 9)), "do not hold 4 outputs of 8 inputs"),
+    (lambda: _case(torch.randn(1, 8), torch.randn(4, 9)), "x has 8 columns, the panels were packed for 9"),
+    (lambda: _case(torch.randn(1, 5).bfloat16(), torch.randn(4, 6).bfloat16()),
+     "x has 5 columns, the panels were packed for 6"),  # same number of bf16 k pairs
     (lambda: _case(torch.randn(1, 8), torch.randn(4, 8), n=40), "do not hold 40 outputs"),
+    (lambda: _case(torch.randn(1, 8), torch.randn(4, 8), k=9), "x has 8 columns, the panels were packed for 9"),
     (lambda: _case(torch.randn(1, 8), torch.randn(4, 8), torch.randn(5)), "bias must be"),
+    (lambda: _case(torch.randn(1, 8), torch.randn(4, 8), torch.randn(8)[::2]), "bias must be"),
+    (lambda: _case(torch.randn(1, 8), torch.randn(4, 8), torch.randn(4).bfloat16()), "bias must be"),
     (lambda: _case(torch.randn(8), torch.randn(4, 8)), "2-D"),
 ])
 def test_bad_input_is_a_clear_error(make, message):
+    kernels.gemv(torch.float32)  # built and registered
     with pytest.raises(RuntimeError, match=message):
-        kernels.gemv(torch.float32)(*make())
+        torch.ops.miniserve.gemv.default(*make())
+
+
+def test_the_kernel_can_be_switched_off_and_is_not_built_without_avx512(monkeypatch, caplog):
+    monkeypatch.setenv("MINISERVE_GEMV", "0")
+    assert kernels._load.__wrapped__() is False
+    monkeypatch.delenv("MINISERVE_GEMV")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    with caplog.at_level("WARNING", logger="miniserve.kernels"):
+        assert kernels._load.__wrapped__() is False
+    assert "no AVX-512" in caplog.text
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(kernels.NAME, verbose=False)) / "lock"
+    lock.touch()
+    kernels._clear_stale_lock()
+    assert lock.exists()  # a build may be running now
+    old = lock.stat().st_mtime - kernels.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    kernels._clear_stale_lock()
+    assert not lock.exists()
 
 
 @NEEDS_KERNEL

@@ -1,11 +1,13 @@
 """The engine's own CPU kernel (gemv.cpp), compiled once per machine at first use.
 
-``gemv(dtype)`` returns ``torch.ops.miniserve.gemv`` (x, panels, bias, N) when this CPU can run
-it for ``dtype``, else None, and the engine keeps oneDNN for those calls; ``pack_panels`` lays a
-weight out for it. The build (a few seconds with g++ and ninja) is
-cached by torch.utils.cpp_extension under ``$TORCH_EXTENSIONS_DIR`` (default
-~/.cache/torch_extensions) and redone only when the source changes; concurrent processes wait on
-its lock. A machine without a compiler gets a warning and the slower path, not an error.
+``gemv(dtype)`` returns a function (x, Panels, bias) -> y running ``torch.ops.miniserve.gemv``
+when this CPU can run it for ``dtype``, else None, and the engine keeps oneDNN for those calls;
+``pack_panels`` lays a weight out for it. ``MINISERVE_GEMV=0`` in the environment turns it off.
+
+The build (a few seconds with g++ and ninja) is cached by torch.utils.cpp_extension under
+``$TORCH_EXTENSIONS_DIR`` (default ~/.cache/torch_extensions) and redone only when the source or
+the build command changes; concurrent processes wait on a lock file there. A CPU without AVX-512
+skips the build; a machine without a compiler gets a warning. Either way the engine runs, on oneDNN.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,28 +25,21 @@ import torch.nn.functional as F
 MAX_ROWS = 8  # rows per call the kernel takes (kMaxRows in gemv.cpp)
 PANEL = 32  # output columns per panel (kPanel in gemv.cpp)
 SOURCE = Path(__file__).with_name("gemv.cpp")
+NAME = "miniserve_kernels"
+STALE_LOCK_S = 300.0  # the build takes ~8 s: a lock this old was left by a build that was killed
 log = logging.getLogger("miniserve.kernels")
 
 
-@functools.cache
-def _load() -> bool:
-    try:
-        import ninja  # the build tool torch's extension loader runs; on PATH even without an activated venv
-        from torch.utils.cpp_extension import load
+@dataclass(frozen=True)
+class Panels:
+    """A weight (n outputs × k inputs) laid out for the kernel."""
 
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        # -fopenmp: at::parallel_for then runs on torch's own OpenMP pool (the libgomp torch has
-        # loaded); without it the kernel would run on one core
-        load("miniserve_kernels", [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-             is_python_module=False)
-    except Exception as e:  # no compiler, no ninja, a failed build: the engine still runs, on oneDNN
-        log.warning("miniserve's gemv kernel could not be built (%s); decode linears stay on oneDNN",
-                    str(e).splitlines()[0] if str(e) else type(e).__name__)
-        return False
-    return True
+    data: torch.Tensor
+    n: int
+    k: int
 
 
-def pack_panels(w: torch.Tensor) -> torch.Tensor:
+def pack_panels(w: torch.Tensor) -> Panels:
     """w (N, K) in the kernel's layout: panels of PANEL output columns, k-major inside a panel,
     so a panel's weights for one k (fp32) or one pair of k (bf16, for its pairwise dot product)
     are one contiguous 128 bytes. Zero-padded past N (and past an odd K in bf16)."""
@@ -52,13 +49,63 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     if w.dtype == torch.bfloat16:
         pad_k = k % 2
         w = F.pad(w, (0, pad_k, 0, panels * PANEL - n))
-        return w.view(panels, PANEL, (k + pad_k) // 2, 2).permute(0, 2, 1, 3).contiguous()
-    w = F.pad(w, (0, 0, 0, panels * PANEL - n))
-    return w.view(panels, PANEL, k).permute(0, 2, 1).contiguous()
+        data = w.view(panels, PANEL, (k + pad_k) // 2, 2).permute(0, 2, 1, 3).contiguous()
+    else:
+        w = F.pad(w, (0, 0, 0, panels * PANEL - n))
+        data = w.view(panels, PANEL, k).permute(0, 2, 1).contiguous()
+    return Panels(data, n, k)
 
 
+def _clear_stale_lock() -> None:
+    """torch's build lock has no timeout: a build killed midway would make every later start wait
+    forever, so a lock far older than any build is removed."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(NAME, verbose=False)) / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            log.warning("removed a stale build lock %s (a build was killed midway)", lock)
+    except FileNotFoundError:
+        pass
+
+
+@functools.cache
+def _load() -> bool:
+    if os.environ.get("MINISERVE_GEMV", "1") == "0":
+        log.info("MINISERVE_GEMV=0: decode linears run on oneDNN")
+        return False
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        log.warning("no AVX-512 on this CPU: miniserve's gemv kernel is not built; decode linears run on oneDNN")
+        return False
+    try:
+        import ninja  # the build tool torch's extension loader runs; on PATH even without an activated venv
+        from torch.utils.cpp_extension import load
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        _clear_stale_lock()
+        # -fopenmp: at::parallel_for then runs on torch's own OpenMP pool (the libgomp torch has
+        # loaded); without it the kernel would run on one core
+        load(NAME, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False)
+    except Exception as e:  # no compiler, no ninja, a failed build: the engine still runs, on oneDNN
+        log.warning("miniserve's gemv kernel could not be built (%s); decode linears run on oneDNN",
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return False
+    return True
+
+
+@functools.cache
 def gemv(dtype: torch.dtype):
-    """The decode-sized matrix product for ``dtype`` on this CPU, or None."""
-    if not _load() or not torch.ops.miniserve.gemv_supported(dtype):
+    """x (rows, k) · panels' weightᵀ + bias for ``dtype`` on this CPU, or None."""
+    if not _load():
         return None
-    return torch.ops.miniserve.gemv.default
+    if not torch.ops.miniserve.gemv_supported(dtype):
+        log.warning("this CPU has no %s kernel for miniserve's gemv (bf16 needs AVX512-BF16); decode "
+                    "linears run on oneDNN", dtype)
+        return None
+    op = torch.ops.miniserve.gemv.default
+
+    def run(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.Tensor:
+        return op(x, panels.data, bias, panels.n, panels.k)
+
+    return run
