@@ -79,6 +79,17 @@ def best_s(fn, repeats: int = 5) -> float:
     return min(times)
 
 
+def memory_read_gb_s(mem_bytes: int = 256 << 20, repeats: int = 3) -> float:
+    """Read bandwidth now, in ordinary pages as the engine's weights sit: a quick stamp (~0.1 s)
+    for a real run or a calibration. Decode calls run at memory speed, and the memory this VM gets
+    moves between ~36 and ~66 GB/s with the host's other tenants, so a simulated-vs-real gap with
+    different stamps is the machine, not the model."""
+    import torch
+
+    buf = torch.ones(mem_bytes // 4)
+    return mem_bytes / best_s(lambda: buf.sum(), repeats) / 1e9
+
+
 class BandwidthProbe:
     """This machine's read bandwidth for one dtype, kept ready so it can be measured again between
     model calls.

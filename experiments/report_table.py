@@ -29,8 +29,11 @@ def format_seed_table(results: dict, max_num_seqs: int) -> str:
 def format_side_by_side(real: dict, sim: dict) -> str:
     """Real and simulated seed rows next to each other, with the simulator's relative error."""
 
-    def err(r: float, s: float) -> str:
-        return f"{100 * (s - r) / r:+.1f}%" if r else "n/a"
+    def err(r: float | None, s: float | None) -> str:
+        return f"{100 * (s - r) / r:+.1f}%" if r and s is not None else "n/a"
+
+    def show(fmt: str, value) -> str:
+        return "n/a" if value is None else fmt.format(value)
 
     header = ["scheduler", "metric", "real", "sim", "sim err"]
     rows = []
@@ -44,6 +47,9 @@ def format_side_by_side(real: dict, sim: dict) -> str:
             ("E2E p50 s", lambda x: x["e2e_s"]["p50"], "{:.3f}"),
             ("E2E p99 s", lambda x: x["e2e_s"]["p99"], "{:.3f}"),
             ("occupancy at max", lambda x: x["occupancy_at_max"], "{:.3f}"),
+            # real: around the run; sim: around its calibration. Decode runs at memory speed, so
+            # a gap here explains a gap above (calibration.roofline.memory_read_gb_s)
+            ("memory GB/s", lambda x: x.get("memory_read_gb_s"), "{:.0f}"),
         ):
-            rows.append([name, label, fmt.format(get(r)), fmt.format(get(s)), err(get(r), get(s))])
+            rows.append([name, label, show(fmt, get(r)), show(fmt, get(s)), err(get(r), get(s))])
     return format_table(header, rows)
