@@ -9,7 +9,9 @@ Rows: the seed burst (matrix.seed_burst), and ``workload``'s lengths with each o
 scheduler and cap); with ``matrix.arrivals=[]`` the workload runs as given (e.g. a trace). Each
 row runs for real first; the simulator then replays that run's actual arrival times and lengths.
 Writes DIR/validation.csv (workload, scheduler, max_num_seqs, metric, real, sim, rel_error,
-tolerance, ok) and prints the error table. Without a profile, a quick calibration runs first.
+tolerance, ok, and the memory bandwidth the real run and the calibration ran at: memory_gb_s,
+calibration_memory_gb_s) and prints the error table. Without a profile, a quick calibration runs
+first.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 
 from calibration.cost_model import CostModel
+from calibration.roofline import memory_read_gb_s
 from engine.config import ModelConfig, SchedulerConfig
 from engine.request import Request
 from engine.trace import parse_label, summarize_calls
@@ -132,12 +135,16 @@ def rel_error(real: float, sim: float) -> float:
 
 
 def validate_row(engine, cost: CostModel, row: Row) -> tuple[dict, dict]:
-    """Real run, then the simulator on that run's actual arrivals and lengths."""
+    """Real run, then the simulator on that run's actual arrivals and lengths. The real side
+    carries the memory bandwidth it ran at (``memory_read_gb_s``): decode runs at memory speed,
+    which moves with the host's load on a shared VM."""
     engine.reset(row.scheduler)
     engine.warmup()
+    memory_before = memory_read_gb_s()
     real = engine.run(make_requests(generate(row.workload), vocab_size=engine.runner.vocab_size,
                                     seed=row.workload.seed))
     real_m = with_trace(real.metrics(), real.trace_calls(), row.scheduler.max_num_seqs)
+    real_m["memory_read_gb_s"] = (memory_before + memory_read_gb_s()) / 2
     replay = [Request(r.request_id, range(r.prompt_tokens), r.output_tokens, arrival_s=r.arrival_s)
               for r in real.records]
     sim = simulate(replay, row.scheduler, lambda: CostModelTimer(cost), keep_steps=True)
@@ -162,6 +169,8 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
     runner = ModelRunner(app.model, widest)
     engine = Engine(widest, app.model, runner=runner)
     tolerance = vars(app.tolerance)
+    stamp = cost.info.get("memory_read_gb_s")  # the calibration's, when its profile has one
+    calibration_memory = (stamp["before"] + stamp["after"]) / 2 if stamp else math.nan
     records = []
     for row in matrix_rows(app, cost):
         real_m, sim_m = validate_row(engine, cost, row)
@@ -171,10 +180,12 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
             records.append({"workload": row.name, "scheduler": row.scheduler.name,
                             "max_num_seqs": row.scheduler.max_num_seqs, "metric": metric, "real": real,
                             "sim": sim, "rel_error": err, "tolerance": tolerance[kind],
-                            "ok": abs(err) <= tolerance[kind]})
+                            "ok": abs(err) <= tolerance[kind], "memory_gb_s": real_m["memory_read_gb_s"],
+                            "calibration_memory_gb_s": calibration_memory})
         print(f"  {row.name:14s} {row.scheduler.name:10s} cap={row.scheduler.max_num_seqs}: "
               f"real {real_m['output_throughput_tok_s']:.2f} vs sim {sim_m['output_throughput_tok_s']:.2f} "
-              f"out tok/s", flush=True)
+              f"out tok/s; memory {real_m['memory_read_gb_s']:.0f} GB/s (calibration {calibration_memory:.0f})",
+              flush=True)
     df = pd.DataFrame.from_records(records)
     df.to_csv(out_dir / "validation.csv", index=False)
     return df

@@ -108,7 +108,8 @@ def test_tiny_validation_writes_the_error_table(tmp_path, tiny_profile):
     # the burst's plans are the pure policy's in both runs, so its call counts agree exactly
     burst_calls = df[(df.workload == "seed_burst") & (df.metric == "model_calls")]
     assert (burst_calls.real == burst_calls.sim).all()
-    assert "median |err|" in out.stdout
+    assert (df.memory_gb_s > 0).all()  # each real run carries the memory bandwidth it ran at
+    assert "median |err|" in out.stdout and "GB/s (calibration" in out.stdout
     report_dir = tmp_path / "report"
     run_app("experiments.report", f"validate_dir={tmp_path}", f"hydra.run.dir={report_dir}")
     assert (report_dir / "sim_vs_real.png").is_file()
