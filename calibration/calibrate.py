@@ -14,7 +14,7 @@ from calibration.cost_model import FEATURES, CostModel, plan_features
 from calibration.fit import Errors, fit_nnls, split_heldout
 from calibration.grid import GRID_SPECS, build_grid
 from calibration.profiler import Measurement, ShapePool, make_runner, measure_engine_runs, measure_shapes, threads_of
-from calibration.roofline import Machine, ModelShape, measure_machine, memory_read_gb_s, roofline_s
+from calibration.roofline import Machine, MemoryStamp, ModelShape, measure_machine, roofline_s
 from engine.config import ModelConfig
 from engine.model_loader import config_fingerprint
 
@@ -83,12 +83,12 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     slots = max(spec.max_seqs, max(s.num_requests for s in shapes))
     runner = make_runner(model_config, slots, max_len)
     pool = ShapePool(runner, slots, max_len, seed=cfg.seed)
-    memory_before = memory_read_gb_s()
-    measurements, retried = measure_shapes(pool, shapes, cfg.repeats or spec.repeats, cfg.warmup, cfg.seed, cfg.progress)
-    pool.release()
-    overhead, engine_calls = measure_engine_runs(runner, min(8, slots), cfg.overhead_runs)
+    with MemoryStamp() as memory:
+        measurements, retried = measure_shapes(pool, shapes, cfg.repeats or spec.repeats, cfg.warmup, cfg.seed,
+                                               cfg.progress)
+        pool.release()
+        overhead, engine_calls = measure_engine_runs(runner, min(8, slots), cfg.overhead_runs)
     measurements += engine_calls
-    memory_after = memory_read_gb_s()
     machine = measure_machine(runner.model.dtype)
     mshape = ModelShape.of(runner.model)
 
@@ -110,7 +110,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
         "fit": fit,
         "step_overhead": overhead.to_dict(),
         "roofline": {"machine": machine.to_dict(), "heldout": fit["roofline_heldout"]},
-        "memory_read_gb_s": {"before": memory_before, "after": memory_after},  # roofline.memory_read_gb_s
+        "memory_read_gb_s": {"before": memory.before, "after": memory.after},  # CostModel.memory_read_gb_s
         "grid": {"name": cfg.grid, "spec": asdict(spec), "calls": len(shapes), "engine_calls": len(engine_calls),
                  "repeats": cfg.repeats or spec.repeats, "warmup": cfg.warmup, "wall_s": wall,
                  "contended_retries": retried},

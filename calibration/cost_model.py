@@ -143,6 +143,13 @@ class CostModel:
                 + _tent_dot(num_decodes, SAMPLE_KNOTS, c, _SAMPLES_AT))
         return fixed + self.coefficients[3] * context_sum
 
+    @property
+    def memory_read_gb_s(self) -> float | None:
+        """The read bandwidth around its calibration (calibration.roofline.MemoryStamp), or None for
+        a profile from before stamps: decode cost moves with it on a shared machine."""
+        stamp = self.info.get("memory_read_gb_s")
+        return (stamp["before"] + stamp["after"]) / 2 if stamp else None
+
     def predict_features(self, rows: Sequence[Sequence[float]]) -> list[float]:
         return [sum(c * x for c, x in zip(self.coefficients, row)) for row in rows]
 

@@ -90,6 +90,21 @@ def memory_read_gb_s(mem_bytes: int = 256 << 20, repeats: int = 3) -> float:
     return mem_bytes / best_s(lambda: buf.sum(), repeats) / 1e9
 
 
+class MemoryStamp:
+    """``with MemoryStamp() as stamp: work`` — memory_read_gb_s just before and just after."""
+
+    def __enter__(self) -> MemoryStamp:
+        self.before = memory_read_gb_s()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.after = memory_read_gb_s()
+
+    @property
+    def gb_s(self) -> float:
+        return (self.before + self.after) / 2
+
+
 class BandwidthProbe:
     """This machine's read bandwidth for one dtype, kept ready so it can be measured again between
     model calls.

@@ -20,7 +20,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from calibration.roofline import memory_read_gb_s
+from calibration.roofline import MemoryStamp
 from engine.config import SCHEDULER_NAMES, ModelConfig, SchedulerConfig
 from engine.trace import summarize_trace, write_chrome_trace
 from engine.workload import WorkloadConfig, generate, make_requests
@@ -82,19 +82,18 @@ def run_scheduler(model: ModelConfig, scheduler: SchedulerConfig, workload: Work
         engine.warmup()
     requests = make_requests(generate(workload), vocab_size=engine.runner.vocab_size, seed=workload.seed)
     trace_path = out_dir / f"trace_{scheduler.name}.json"
-    memory_before = memory_read_gb_s()
-    if profile:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with MemoryStamp() as memory:
+        if profile:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                result = engine.run(requests)
+            _export_model_regions(prof, trace_path)
+        else:
             result = engine.run(requests)
-        _export_model_regions(prof, trace_path)
-    else:
-        result = engine.run(requests)
-        write_chrome_trace(result.trace_calls(), trace_path)
-    memory = (memory_before + memory_read_gb_s()) / 2
+            write_chrome_trace(result.trace_calls(), trace_path)
     metrics = result.metrics()
     write_requests_csv(result.records, out_dir / "requests.csv")
     write_metrics_json(metrics, out_dir / "metrics.json")
-    return seed_row(metrics, trace_path, scheduler.max_num_seqs, out_dir.parent) | {"memory_read_gb_s": memory}
+    return seed_row(metrics, trace_path, scheduler.max_num_seqs, out_dir.parent) | {"memory_read_gb_s": memory.gb_s}
 
 
 def _export_model_regions(prof, path: Path) -> None:
@@ -128,9 +127,8 @@ def simulate_scheduler(profile: str, model: ModelConfig, scheduler: SchedulerCon
 
     cost = load_cost_model(profile, model)
     metrics = write_outputs(run_workload(cost, scheduler, workload, SimOptions()), out_dir, scheduler.max_num_seqs)
-    stamp = cost.info.get("memory_read_gb_s")  # the calibration's, when its profile has one
     return seed_row(metrics, out_dir / "trace.json", scheduler.max_num_seqs, out_dir.parent.parent) | {
-        "memory_read_gb_s": (stamp["before"] + stamp["after"]) / 2 if stamp else None}
+        "memory_read_gb_s": cost.memory_read_gb_s}  # the calibration's
 
 
 def run_seed_experiment(app: SeedApp, out_dir: Path) -> tuple[dict, dict | None]:

@@ -25,7 +25,7 @@ import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 
 from calibration.cost_model import CostModel
-from calibration.roofline import memory_read_gb_s
+from calibration.roofline import MemoryStamp
 from engine.config import ModelConfig, SchedulerConfig
 from engine.request import Request
 from engine.trace import parse_label, summarize_calls
@@ -136,15 +136,15 @@ def rel_error(real: float, sim: float) -> float:
 
 def validate_row(engine, cost: CostModel, row: Row) -> tuple[dict, dict]:
     """Real run, then the simulator on that run's actual arrivals and lengths. The real side
-    carries the memory bandwidth it ran at (``memory_read_gb_s``): decode runs at memory speed,
+    carries the memory bandwidth it ran at (``MemoryStamp``): decode runs at memory speed,
     which moves with the host's load on a shared VM."""
     engine.reset(row.scheduler)
     engine.warmup()
-    memory_before = memory_read_gb_s()
-    real = engine.run(make_requests(generate(row.workload), vocab_size=engine.runner.vocab_size,
-                                    seed=row.workload.seed))
+    with MemoryStamp() as memory:
+        real = engine.run(make_requests(generate(row.workload), vocab_size=engine.runner.vocab_size,
+                                        seed=row.workload.seed))
     real_m = with_trace(real.metrics(), real.trace_calls(), row.scheduler.max_num_seqs)
-    real_m["memory_read_gb_s"] = (memory_before + memory_read_gb_s()) / 2
+    real_m["memory_read_gb_s"] = memory.gb_s
     replay = [Request(r.request_id, range(r.prompt_tokens), r.output_tokens, arrival_s=r.arrival_s)
               for r in real.records]
     sim = simulate(replay, row.scheduler, lambda: CostModelTimer(cost), keep_steps=True)
@@ -169,8 +169,7 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
     runner = ModelRunner(app.model, widest)
     engine = Engine(widest, app.model, runner=runner)
     tolerance = vars(app.tolerance)
-    stamp = cost.info.get("memory_read_gb_s")  # the calibration's, when its profile has one
-    calibration_memory = (stamp["before"] + stamp["after"]) / 2 if stamp else math.nan
+    calibration_memory = math.nan if cost.memory_read_gb_s is None else cost.memory_read_gb_s  # older profiles
     records = []
     for row in matrix_rows(app, cost):
         real_m, sim_m = validate_row(engine, cost, row)
