@@ -18,7 +18,7 @@ import statistics
 import time
 
 import torch
-from roofline_calls import shape_plan
+from calls import alternate
 
 from engine import kernels
 from engine.config import ModelConfig, SchedulerConfig
@@ -65,26 +65,16 @@ def kernel_rates(runner: ModelRunner, gemv, dtype, rows_list, passes: int) -> No
 
 def model_calls(runner: ModelRunner, gemv, repeats: int) -> dict[str, float]:
     lean = runner._lean
+
+    def switch(on: bool) -> None:
+        lean.gemv = gemv if on else None
+
     speedups = {}
     for name, contexts, chunks in [(f"decode B={b}", [256] * b, [1] * b) for b in (1, 2, 4, 8, 16)] + [
             ("prefill 128", [0], [128])]:
-        plan, reqs = shape_plan(runner, contexts, chunks, name.replace(" ", "_").replace("=", ""))
-        off, on, logits = [], [], []
-        for i in range(repeats + 2):
-            for kernel, out in ((None, off), (gemv, on)):
-                lean.gemv = kernel
-                result, lg = runner.execute(plan, reqs, return_logits=True)
-                if i >= 2:  # the first two pairs warm the shape
-                    out.append(result.duration_s)
-                if i == 0:
-                    logits.append(lg.float())
-        lean.gemv = gemv
-        runner.free(plan.request_ids)
-        s = statistics.median(a / b for a, b in zip(off, on))
-        speedups[name] = s
-        print(f"  {name:12s} oneDNN {1e3 * statistics.median(off):7.1f} ms | with gemv {1e3 * statistics.median(on):7.1f}"
-              f" ms | speedup {s:.2f} | max |Δlogit| {(logits[0] - logits[1]).abs().max().item():.1e}, "
-              f"same argmax {bool((logits[0].argmax(-1) == logits[1].argmax(-1)).all())}", flush=True)
+        ab = alternate(runner, contexts, chunks, switch, repeats)
+        speedups[name] = ab.speedup
+        print(ab.line(name, "oneDNN", "with gemv"), flush=True)
     return speedups
 
 

@@ -22,12 +22,12 @@ import argparse
 import statistics
 
 import torch
+from calls import shape_plan
 
 from calibration.roofline import BandwidthProbe, Machine, ModelShape, call_work, measure_matmul, roofline_s
 from engine.config import ModelConfig, SchedulerConfig
 from engine.model_runner import ModelRunner
 from engine.plan import BatchPlan
-from engine.request import Request
 
 CTX = 256  # decode context per request
 SHAPES = {  # name: (prior context per request, tokens per request)
@@ -39,19 +39,6 @@ SHAPES = {  # name: (prior context per request, tokens per request)
 }
 ISSUE_MACHINE = {"float32": Machine(21e9, 210e9), "bfloat16": Machine(21e9, 750e9)}  # issue #7's figures
 LINEAR_OPS = ("mkldnn::_linear_pointwise", "miniserve::gemv", "aten::addmm", "aten::mm")
-
-
-def shape_plan(runner: ModelRunner, contexts: list[int], chunks: list[int], tag: str):
-    """A plan over requests whose first ``context`` tokens already sit in the runner's KV slots."""
-    reqs = {}
-    for i, (ctx, n) in enumerate(zip(contexts, chunks)):
-        r = Request(f"{tag}{i}", [(i * 31 + j) % 1000 + 1 for j in range(ctx + n + 1)], 4)
-        reqs[r.request_id] = r
-    ids = tuple(reqs)
-    if any(contexts):
-        runner.execute(BatchPlan("continuous", ids, tuple(contexts), (0,) * len(ids), (False,) * len(ids), 0), reqs)
-    nd = sum(1 for n in chunks if n == 1)
-    return BatchPlan("continuous", ids, tuple(chunks), tuple(contexts), (True,) * len(ids), nd), reqs
 
 
 def time_call(runner: ModelRunner, plan: BatchPlan, reqs, repeats: int) -> float:

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from engine import kernels
 from engine.attention import RaggedBatch, SlotKVCache
 from engine.config import ModelConfig, SchedulerConfig
 from engine.fast_layers import LeanQwen2
@@ -31,6 +32,8 @@ class ModelRunner:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = SlotKVCache(cfg.num_hidden_layers, scheduler_config.max_num_seqs, cfg.num_key_value_heads,
                                  self.max_model_len, head_dim, self.model.dtype)
+        # decodes attend with miniserve's kernel where this CPU runs it (engine/kernels), else SDPA
+        self.decode_attention = kernels.decode_attention(self.model.dtype, head_dim)
         self._free_slots = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
 
@@ -68,7 +71,7 @@ class ModelRunner:
             if samples:
                 sample_rows.append(len(token_ids) - 1)
         batch = RaggedBatch.build(slots, list(plan.num_tokens), list(plan.context_lens),
-                                  self.model_config.attention)
+                                  self.model_config.attention, self.decode_attention)
         self.cache.batch = batch
         input_ids = torch.tensor([token_ids], dtype=torch.long)
         rows = torch.tensor(sample_rows, dtype=torch.long)

@@ -1,5 +1,7 @@
-"""miniserve's gemv: the exact product up to rounding, the engine runs it for up to eight rows and
-oneDNN above, and bad input is refused with a clear error."""
+"""miniserve's kernels: gemv is the exact product up to rounding and the engine runs it for up to
+eight rows and oneDNN above; decode attention is exact attention up to rounding over each request's
+own keys and the engine runs it once per layer for a step's decodes; bad input to either is refused
+with a clear error."""
 
 import os
 from pathlib import Path
@@ -87,9 +89,9 @@ def test_bad_input_is_a_clear_error(make, message):
 
 
 def test_the_kernel_can_be_switched_off_and_is_not_built_without_avx512(monkeypatch, caplog):
-    monkeypatch.setenv("MINISERVE_GEMV", "0")
+    monkeypatch.setenv("MINISERVE_KERNELS", "0")
     assert kernels._load.__wrapped__() is False
-    monkeypatch.delenv("MINISERVE_GEMV")
+    monkeypatch.delenv("MINISERVE_KERNELS")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     with caplog.at_level("WARNING", logger="miniserve.kernels"):
         assert kernels._load.__wrapped__() is False
@@ -129,3 +131,88 @@ def test_the_engine_runs_the_kernel_up_to_eight_rows_and_onednn_above():
     run((1,), (8,), (True,), [1] * (per_token_rows + 1))  # a decode of one request: every projection
     run((1, 1, 1), (9, 8, 8), (True, True, True), [3] * (per_token_rows + 1))  # of three: every projection
     run((1, 8), (10, 0), (True, True), [2])  # 9 rows on oneDNN; two sampled rows here
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_builds_wherever_the_cpu_can_run_it(dtype):
+    # bf16 keys and values are widened by hand: AVX-512 alone is enough
+    assert (kernels.decode_attention(dtype, 64) is not None) == HAS_AVX512
+    assert kernels.decode_attention(dtype, 80) is None  # head dims 16, 32, 64, 128 only: SDPA for others
+
+
+@NEEDS_KERNEL
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16]), rows=st.integers(1, 6),
+       heads=st.sampled_from([(4, 2), (14, 2), (7, 7), (16, 8), (8, 1)]), d=st.sampled_from([16, 32, 64, 128]),
+       data=st.data())
+def test_decode_attention_equals_exact_attention_over_each_requests_own_keys(dtype, rows, heads, d, data):
+    num_heads, kv_heads = heads
+    max_len, num_slots = 70, 8
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    k_store = torch.randn(num_slots, kv_heads, max_len, d, generator=g).to(dtype)
+    v_store = torch.randn(num_slots, kv_heads, max_len, d, generator=g).to(dtype)
+    slots = data.draw(st.lists(st.integers(0, num_slots - 1), min_size=rows, max_size=rows, unique=True))
+    lens = data.draw(st.lists(st.integers(1, max_len), min_size=rows, max_size=rows))  # tails of 0-15 keys
+    q = torch.randn(rows, num_heads, d, generator=g).to(dtype)
+    out = kernels.decode_attention(dtype, d)(q, k_store, v_store, torch.tensor(slots), torch.tensor(lens), d ** -0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    group = num_heads // kv_heads
+    for r, (s, n) in enumerate(zip(slots, lens)):
+        qr = q[r].double().view(kv_heads, group, d)
+        p = torch.softmax(qr @ k_store[s, :, :n].double().transpose(1, 2) * d ** -0.5, dim=-1)
+        ref = (p @ v_store[s, :, :n].double()).reshape(num_heads, d)
+        # fp32: summation order and exp's polynomial; bf16: also the one rounding of the output
+        tol = 1e-5 if dtype == torch.float32 else 1e-5 + 2 ** -8 * ref.abs()
+        assert ((out[r].double() - ref).abs() <= tol).all()
+
+
+def _attention_case(rows=2, heads=4, kv_heads=2, d=16, num_slots=8, max_len=10, **override):
+    """Arguments of the raw op: q, keys, values, slots, lens, scale; any of them overridden."""
+    store = (num_slots, kv_heads, max_len, d)
+    args = dict(q=torch.randn(rows, heads, d), k=torch.randn(store), v=torch.randn(store), slots=torch.arange(rows),
+                lens=torch.full((rows,), 3), scale=0.25)
+    args.update(override)
+    return tuple(args.values())
+
+
+@NEEDS_KERNEL
+@pytest.mark.parametrize("make, message", [
+    (lambda: _attention_case(d=80), "no kernel for Float and head dim 80"),
+    (lambda: _attention_case(q=torch.randn(2, 64)), "q must be"),
+    (lambda: _attention_case(v=torch.randn(8, 2, 11, 16)), "do not match"),
+    (lambda: _attention_case(k=torch.randn(8, 2, 10, 16).bfloat16()), "share one dtype"),
+    (lambda: _attention_case(heads=5), "5 query heads cannot share 2 KV heads"),
+    (lambda: _attention_case(q=torch.randn(4, 2, 16).transpose(0, 1)), "contiguous"),
+    (lambda: _attention_case(slots=torch.tensor([0, 8])), "row 1 reads slot 8 of 8"),
+    (lambda: _attention_case(slots=torch.tensor([-1, 0])), "row 0 reads slot -1 of 8"),
+    (lambda: _attention_case(lens=torch.tensor([3, 0])), "row 1 sees 0 keys"),
+    (lambda: _attention_case(lens=torch.tensor([11, 3])), "row 0 sees 11 keys; a slot holds 1 to 10"),
+    (lambda: _attention_case(lens=torch.tensor([3, 3], dtype=torch.int32)), "int64"),
+    (lambda: _attention_case(slots=torch.tensor([0])), "int64 \\(rows,\\)"),
+])
+def test_decode_attention_bad_input_is_a_clear_error(make, message):
+    kernels.decode_attention(torch.float32, 16)  # built and registered
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.miniserve.decode_attention.default(*make())
+
+
+@NEEDS_KERNEL
+def test_the_engine_attends_a_steps_decodes_in_one_kernel_call_per_layer():
+    runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=4, max_model_len=64))
+    real, calls = runner.decode_attention, []
+    runner.decode_attention = lambda q, k, v, slots, lens, scale: (
+        calls.append((q.shape[0], slots.tolist(), lens.tolist())) or real(q, k, v, slots, lens, scale))
+    layers = runner.model.config.num_hidden_layers
+    reqs = {f"r{i}": Request(f"r{i}", list(range(1, 20)), 4) for i in range(4)}
+    ids = tuple(reqs)
+
+    def run(n, ctx, expected):
+        calls.clear()
+        runner.execute(BatchPlan("continuous", ids[:len(n)], n, ctx, (True,) * len(n),
+                                 sum(1 for t in n if t == 1)), reqs)
+        assert calls == expected
+
+    run((8, 8, 8), (0, 0, 0), [])  # prefills: SDPA per chunk, no decodes
+    slots = [runner._slot_of[r] for r in ids[:3]]
+    run((1, 1, 1), (8, 8, 8), [(3, slots, [9, 9, 9])] * layers)  # each decode sees its 8 keys and its own
+    run((1, 1, 6), (9, 9, 0), [(2, slots[:2], [10, 10])] * layers)  # the decodes of a mixed step

@@ -1,5 +1,6 @@
 """The fast paths stay exact: batched decodes over fragmented KV slots, and the vectorized layout."""
 
+import pytest
 import torch
 
 from engine.attention import RaggedBatch
@@ -18,9 +19,12 @@ def test_layout_matches_per_token_loop():
     assert b.num_decodes == 1 and b.decode_range == (3, 4)
 
 
-def test_batched_decodes_over_fragmented_slots_match_reference():
+@pytest.mark.parametrize("decode_attention", ["kernel", "sdpa"])
+def test_batched_decodes_over_fragmented_slots_match_reference(decode_attention):
     model_config = ModelConfig(name="tiny")
     runner = ModelRunner(model_config, SchedulerConfig(max_num_seqs=6))
+    if decode_attention == "sdpa":  # one SDPA over the slots' view, with the decodes scattered into it
+        runner.decode_attention = None
     ref = sdpa_twin(model_config)
     g = torch.Generator().manual_seed(5)
     reqs = {f"r{i}": Request(f"r{i}", torch.randint(0, 512, (4 + 3 * i,), generator=g).tolist(), 8)
@@ -47,6 +51,7 @@ def test_batched_decodes_over_fragmented_slots_match_reference():
 def test_dense_equal_context_decodes_need_no_mask_and_match_reference():
     model_config = ModelConfig(name="tiny")
     runner = ModelRunner(model_config, SchedulerConfig(max_num_seqs=4))
+    runner.decode_attention = None  # the SDPA path, as machines without the kernel run it
     ref = sdpa_twin(model_config)
     g = torch.Generator().manual_seed(7)
     reqs = {f"e{i}": Request(f"e{i}", torch.randint(0, 512, (6,), generator=g).tolist(), 4) for i in range(3)}

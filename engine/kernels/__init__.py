@@ -1,13 +1,18 @@
-"""The engine's own CPU kernel (gemv.cpp), compiled once per machine at first use.
+"""The engine's own CPU kernels, compiled once per machine at first use.
 
-``gemv(dtype)`` returns a function (x, Panels, bias) -> y running ``torch.ops.miniserve.gemv``
-when this CPU can run it for ``dtype``, else None, and the engine keeps oneDNN for those calls;
-``pack_panels`` lays a weight out for it. ``MINISERVE_GEMV=0`` in the environment turns it off.
+- ``gemv(dtype)`` (gemv.cpp): a function (x, Panels, bias) -> y for decode-sized linears, reading
+  the weights at memory speed; ``pack_panels`` lays a weight out for it.
+- ``decode_attention(dtype, head_dim)`` (decode_attention.cpp): every decoding request's one query
+  against its own KV slot, in one call.
 
-The build (a few seconds with g++ and ninja) is cached by torch.utils.cpp_extension under
-``$TORCH_EXTENSIONS_DIR`` (default ~/.cache/torch_extensions) and redone only when the source or
+Each returns None where this CPU cannot run it, and the engine keeps oneDNN's linear or SDPA for
+those calls. ``MINISERVE_KERNELS=0`` in the environment turns both off.
+
+The build (~10 s with g++ and ninja) is cached by torch.utils.cpp_extension under
+``$TORCH_EXTENSIONS_DIR`` (default ~/.cache/torch_extensions) and redone only when a source or
 the build command changes; concurrent processes wait on a lock file there. A CPU without AVX-512
-skips the build; a machine without a compiler gets a warning. Either way the engine runs, on oneDNN.
+skips the build; a machine without a compiler gets a warning. Either way the engine runs, on
+torch's own kernels.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch.nn.functional as F
 
 MAX_ROWS = 8  # rows per call the kernel takes (kMaxRows in gemv.cpp)
 PANEL = 32  # output columns per panel (kPanel in gemv.cpp)
-SOURCE = Path(__file__).with_name("gemv.cpp")
+SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "decode_attention.cpp")]
 NAME = "miniserve_kernels"
 STALE_LOCK_S = 300.0  # the build takes ~8 s: a lock this old was left by a build that was killed
 log = logging.getLogger("miniserve.kernels")
@@ -72,11 +77,11 @@ def _clear_stale_lock() -> None:
 
 @functools.cache
 def _load() -> bool:
-    if os.environ.get("MINISERVE_GEMV", "1") == "0":
-        log.info("MINISERVE_GEMV=0: decode linears run on oneDNN")
+    if os.environ.get("MINISERVE_KERNELS", "1") == "0":
+        log.info("MINISERVE_KERNELS=0: decode linears run on oneDNN, decode attention on SDPA")
         return False
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        log.warning("no AVX-512 on this CPU: miniserve's gemv kernel is not built; decode linears run on oneDNN")
+        log.warning("no AVX-512 on this CPU: miniserve's kernels are not built; decodes run on oneDNN and SDPA")
         return False
     try:
         import ninja  # the build tool torch's extension loader runs; on PATH even without an activated venv
@@ -86,9 +91,10 @@ def _load() -> bool:
         _clear_stale_lock()
         # -fopenmp: at::parallel_for then runs on torch's own OpenMP pool (the libgomp torch has
         # loaded); without it the kernel would run on one core
-        load(NAME, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False)
-    except Exception as e:  # no compiler, no ninja, a failed build: the engine still runs, on oneDNN
-        log.warning("miniserve's gemv kernel could not be built (%s); decode linears run on oneDNN",
+        load(NAME, [str(p) for p in SOURCES], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             is_python_module=False)
+    except Exception as e:  # no compiler, no ninja, a failed build: the engine still runs, on torch's kernels
+        log.warning("miniserve's kernels could not be built (%s); decodes run on oneDNN and SDPA",
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
         return False
     return True
@@ -109,3 +115,16 @@ def gemv(dtype: torch.dtype):
         return op(x, panels.data, bias, panels.n, panels.k)
 
     return run
+
+
+@functools.cache
+def decode_attention(dtype: torch.dtype, head_dim: int):
+    """(q (rows, heads, D), k_store, v_store, slots, lens, scale) -> (rows, heads, D): each row's
+    query against keys 0..lens[r]-1 of its slot, for ``dtype`` and ``head_dim`` on this CPU, or None."""
+    if not _load():
+        return None
+    if not torch.ops.miniserve.decode_attention_supported(dtype, head_dim):
+        log.info("no decode attention kernel for %s, head dim %d on this CPU; decodes attend with SDPA",
+                 dtype, head_dim)
+        return None
+    return torch.ops.miniserve.decode_attention.default

@@ -1,0 +1,95 @@
+"""miniserve's decode attention kernel (engine/kernels/decode_attention.cpp) against SDPA, in one process.
+
+1. One layer's decode attention as the engine calls it (engine.attention.ragged_attention over a
+   SlotKVCache layer), for B requests at context C: SDPA over a masked view of the slots, then the
+   kernel, alternating call by call. Prints ms per layer, GB/s of keys and values read, speedup.
+2. Whole decode calls through ModelRunner, the kernel switched off and on call by call
+   (benchmarks/calls.py): B=1, 8, 32 at context 256, and B=8 at context 1024.
+
+    flock /tmp/miniserve-bench.lock python benchmarks/decode_attention.py [--dtypes float32,bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from calls import alternate
+
+from engine.attention import RaggedBatch, ragged_attention
+from engine.config import ModelConfig, SchedulerConfig
+from engine.model_runner import ModelRunner
+
+LAYER_SHAPES = [(1, 256), (8, 256), (32, 256), (8, 1024), (32, 1024), (1, 4096)]  # (requests, context)
+CALL_SHAPES = [(1, 256), (8, 256), (32, 256), (8, 1024)]
+
+
+def layer_rates(runner: ModelRunner, kernel, dtype: torch.dtype, repeats: int) -> None:
+    cfg = runner.model.config
+    heads, d = cfg.num_attention_heads, runner.cache.keys[0].shape[-1]
+    keys, values = runner.cache.keys[0], runner.cache.values[0]
+    keys.normal_(), values.normal_()  # finite, arbitrary: cost does not depend on values
+    esize = torch.empty((), dtype=dtype).element_size()
+    for b, ctx in LAYER_SHAPES:
+        if b > keys.shape[0] or ctx + 1 > keys.shape[2]:
+            continue
+        slots = list(range(b))
+        query = torch.randn(1, heads, b, d).to(dtype)
+        batches = [RaggedBatch.build(slots, [1] * b, [ctx] * b, "ragged", k) for k in (None, kernel)]
+        times: list[list[float]] = [[], []]
+        for i in range(repeats + 2):
+            for batch, out in zip(batches, times):
+                t = time.perf_counter()
+                ragged_attention(None, query, keys, values, batch, scaling=d ** -0.5)
+                if i >= 2:
+                    out.append(time.perf_counter() - t)
+        sdpa, mine = (statistics.median(t) for t in times)
+        kv_bytes = 2 * b * cfg.num_key_value_heads * (ctx + 1) * d * esize
+        print(f"  B={b:<3d} ctx={ctx:<5d} SDPA {1e3 * sdpa:6.3f} ms {kv_bytes / sdpa / 1e9:5.1f} GB/s | kernel "
+              f"{1e3 * mine:6.3f} ms {kv_bytes / mine / 1e9:5.1f} GB/s | speedup "
+              f"{statistics.median(a / c for a, c in zip(*times)):.2f}", flush=True)
+
+
+def model_calls(runner: ModelRunner, kernel, dtype_name: str, repeats: int) -> list[str]:
+    def switch(on: bool) -> None:
+        runner.decode_attention = kernel if on else None
+
+    last = []
+    for b, ctx in CALL_SHAPES:
+        ab = alternate(runner, [ctx] * b, [1] * b, switch, repeats)
+        print(ab.line(f"B={b} ctx={ctx}", "SDPA", "with kernel"), flush=True)
+        if ctx == 256 and b in (8, 32):
+            last.append(f"decode_attention_speedup_call_b{b}_{dtype_name}={ab.speedup:.2f}")
+    return last
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2_5_0_5b")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=9)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    last = []
+    for d in args.dtypes.split(","):
+        runner = ModelRunner(ModelConfig(name=args.model, dtype=d, num_threads=args.threads),
+                             SchedulerConfig(max_num_seqs=32, max_model_len=4160))
+        kernel = runner.decode_attention
+        if kernel is None:
+            print(f"{d}: no decode attention kernel on this machine (needs AVX-512 and a C++ compiler); "
+                  "decodes attend with SDPA")
+            continue
+        print(f"{d}: one layer's decode attention, SDPA and the kernel alternating (threads={torch.get_num_threads()})")
+        layer_rates(runner, kernel, getattr(torch, d), args.repeats * 5)
+
+        print(f"{d}: decode calls, kernel off/on alternating")
+        last += model_calls(runner, kernel, d, args.repeats)
+        del runner
+    print(" ".join(last))
+
+
+if __name__ == "__main__":
+    main()
