@@ -5,10 +5,11 @@ Why: on this 2-core CPU a B=1 decode step spends ~10-15 ms of ~50 in Python and 
 transformers' layers (module ``__call__``, kwargs plumbing, decorators, one linear call per
 projection), time during which neither core reads weights. ``LeanQwen2`` runs the same
 operations in one flat loop, with q/k/v as one weight and gate/up as one weight (fewer, larger
-matrix products; the concatenation does not change any output column). RMSNorm, rotary
-embedding, SiLU·up and the residual adds are op-for-op the stock ones, in the stock dtypes, so
-fp32 logits match stock transformers (tests compare them at 1e-5) and bf16 rounds where stock
-rounds.
+matrix products; the concatenation does not change any output column). Between the products a
+layer makes three calls (``engine.kernels.LayerOps``): residual add + RMSNorm, rotary + KV write,
+SiLU·up. Where this CPU runs miniserve's kernels they are fused C++ passes (layer_ops.cpp);
+elsewhere the stock modules' ops, op for op. Either way they round where stock rounds, so fp32
+logits match stock transformers (tests compare them at 1e-5) and bf16 rounds where stock rounds.
 
 Each projection runs one of two kernels, by how many rows it multiplies: up to
 ``engine.kernels.MAX_ROWS`` (a decode step of up to eight requests, the sampled rows of a
@@ -37,20 +38,6 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen2RMSNorm.forward, op for op."""
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    variance = x.pow(2).mean(-1, keepdim=True)
-    x = x * torch.rsqrt(variance + eps)
-    return weight * x.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class LeanQwen2:
     """Callable (input_ids (1, T), positions (T,), ragged batch, KV cache, sample rows) -> logits
     (rows, vocab) computed as Qwen2ForCausalLM would with ``logits_to_keep=rows``."""
@@ -64,6 +51,7 @@ class LeanQwen2:
         self.norm_w, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
         self.lm_head = model.lm_head
         self.gemv = kernels.gemv(model.dtype)
+        self.ops = kernels.layer_ops(model.dtype) or kernels.TORCH_LAYER_OPS
         self.lm = self._weights(model.lm_head.weight, model.lm_head.packed_weight, model.lm_head.bias)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.layers = []
@@ -112,30 +100,20 @@ class LeanQwen2:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, cache,
                  rows: torch.Tensor) -> torch.Tensor:
-        h = F.embedding(input_ids, self.embed)  # (1, T, hidden)
+        h = F.embedding(input_ids[0], self.embed)  # (T, hidden)
         cos, sin = self.rotary(h, positions[None])
-        cos, sin = cos[:, None], sin[:, None]  # (1, 1, T, D): broadcast over heads
-        t = h.shape[1]
+        cos, sin = cos[0], sin[0]  # (T, D)
+        t = h.shape[0]
         d = self.head_dim
-        project = self._project
+        project, ops = self._project, self.ops
+        delta = None  # what the previous layer's MLP adds to h
         for i, scaling, nq, nkv, ln1, eps1, qkv, o, ln2, eps2, gu, inter, down in self.layers:
-            residual = h
-            x = _rms_norm(h, ln1, eps1)
-            qkv = project(x.view(t, -1), qkv)
-            # q and k heads sit side by side in qkv: one rotary pass over both (elementwise, so
-            # the same values as rotating each)
-            qk = qkv[:, :nq + nkv].view(1, t, -1, d).transpose(1, 2)
-            qk = (qk * cos) + (_rotate_half(qk) * sin)
-            q, k = qk[:, :nq // d], qk[:, nq // d:]
-            v = qkv[:, nq + nkv:].view(1, t, -1, d).transpose(1, 2)
-            k_store, v_store = cache.update(k, v, i)
-            attn, _ = ragged_attention(None, q, k_store, v_store, batch, scaling=scaling)
-            attn = project(attn.reshape(t, -1), o)
-            h = residual + attn.view(1, t, -1)
-            residual = h
-            x = _rms_norm(h, ln2, eps2)
-            gu = project(x.view(t, -1), gu)
-            x = project(F.silu(gu[:, :inter]) * gu[:, inter:], down)
-            h = residual + x.view(1, t, -1)
-        h = _rms_norm(h[:, rows], self.norm_w, self.norm_eps)  # row-wise, so slicing first is exact
-        return project(h[0], self.lm)
+            k_store, v_store = cache.keys[i], cache.values[i]
+            x = ops.add_rms_norm(h, delta, ln1, eps1)
+            q = ops.rotary_kv(project(x, qkv), cos, sin, nq // d, nkv // d, k_store, v_store,
+                              batch.write_slots, batch.write_positions)  # (T, H, D)
+            attn, _ = ragged_attention(None, q.transpose(0, 1)[None], k_store, v_store, batch, scaling=scaling)
+            x = ops.add_rms_norm(h, project(attn.reshape(t, -1), o), ln2, eps2)
+            delta = project(ops.silu_mul(project(x, gu), inter), down)
+        # row-wise from here on: the sampled rows alone give the same logits
+        return project(ops.add_rms_norm(h[rows], delta[rows], self.norm_w, self.norm_eps), self.lm)

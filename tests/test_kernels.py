@@ -216,3 +216,94 @@ def test_the_engine_attends_a_steps_decodes_in_one_kernel_call_per_layer():
     slots = [runner._slot_of[r] for r in ids[:3]]
     run((1, 1, 1), (8, 8, 8), [(3, slots, [9, 9, 9])] * layers)  # each decode sees its 8 keys and its own
     run((1, 1, 6), (9, 9, 0), [(2, slots[:2], [10, 10])] * layers)  # the decodes of a mixed step
+
+
+def test_layer_ops_build_wherever_the_cpu_can_run_them():
+    for dtype in (torch.float32, torch.bfloat16):
+        assert (kernels.layer_ops(dtype) is not None) == HAS_AVX512
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units of the dtype's spacing at b (1 = one rounding apart)."""
+    return (a.double() - b.double()).abs() / (torch.finfo(b.dtype).eps * b.double().abs().clamp_min(1e-30))
+
+
+@NEEDS_KERNEL
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16]), t=st.integers(1, 20), n=st.integers(1, 70),
+       heads=st.sampled_from([(4, 2), (14, 2), (2, 2)]), d=st.sampled_from([2, 16, 34, 64]), seed=st.integers(0, 2**16))
+def test_fused_layer_ops_round_where_the_stock_ops_round(dtype, t, n, heads, d, seed):
+    fused, stock = kernels.layer_ops(dtype), kernels.TORCH_LAYER_OPS
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    # residual add + RMSNorm: h after the add is bit-identical; the norm differs only by the order
+    # of the sum of squares (a rounding or two of the scale, then one of the output)
+    h, delta, w = randn(t, n), randn(t, n), randn(n)
+    h1, h2 = h.clone(), h.clone()
+    x1, x2 = fused.add_rms_norm(h1, delta, w, 1e-6), stock.add_rms_norm(h2, delta, w, 1e-6)
+    assert torch.equal(h1, h2)
+    assert (_ulps(x1, x2) <= (4 if dtype == torch.float32 else 1)).all()
+    assert torch.equal(fused.add_rms_norm(h1, None, w, 1e-6), x1)  # no delta: h as it is
+    # SiLU·up: only exp's polynomial differs
+    gu = randn(t, 2 * n) * 4
+    assert (_ulps(fused.silu_mul(gu, n), stock.silu_mul(gu, n)) <= (8 if dtype == torch.float32 else 1)).all()
+    # rotary + KV write: the same products and sums, rounded at the same points: bit-identical
+    nh, nkv = heads
+    qkv, cos, sin = randn(t, (nh + 2 * nkv) * d), randn(t, d), randn(t, d)
+    slots, positions = torch.randint(0, 3, (t,), generator=g), torch.randperm(t + 5, generator=g)[:t]
+    stores = [torch.zeros(3, nkv, t + 5, d, dtype=dtype) for _ in range(4)]
+    q1 = fused.rotary_kv(qkv, cos, sin, nh, nkv, stores[0], stores[1], slots, positions)
+    q2 = stock.rotary_kv(qkv, cos, sin, nh, nkv, stores[2], stores[3], slots, positions)
+    assert q1.shape == (t, nh, d) and torch.equal(q1, q2)
+    assert torch.equal(stores[0], stores[2]) and torch.equal(stores[1], stores[3])
+
+
+@NEEDS_KERNEL
+@pytest.mark.parametrize("make, message", [
+    (lambda o: o.add_rms_norm(torch.randn(2, 8).T, None, torch.randn(2), 1e-6), "h must be a contiguous"),
+    (lambda o: o.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.randn(8), 1e-6), "delta has 3 rows, h 2"),
+    (lambda o: o.add_rms_norm(torch.randn(2, 8), torch.randn(2, 8).bfloat16(), torch.randn(8), 1e-6),
+     "delta is BFloat16, expected Float"),
+    (lambda o: o.add_rms_norm(torch.randn(2, 8), None, torch.randn(7), 1e-6), "weight must be a contiguous \\(8,\\)"),
+    (lambda o: o.add_rms_norm(torch.randn(2, 8).half(), None, torch.randn(8).half(), 1e-6), "no kernel for Half"),
+    (lambda o: o.silu_mul(torch.randn(2, 9), 4), "gate/up must be a contiguous \\(rows, 8\\)"),
+    (lambda o: o.rotary_kv(torch.randn(3, 128), torch.randn(3, 16), torch.randn(3, 16), 4, 2,
+                           torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16), torch.tensor([0, 1, 2]),
+                           torch.tensor([0, 1, 2])), "token 2 writes slot 2 position 2; the stores hold 2 slots of 8"),
+    (lambda o: o.rotary_kv(torch.randn(3, 128), torch.randn(3, 16), torch.randn(3, 16), 4, 2,
+                           torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16), torch.tensor([0, 1, 1]),
+                           torch.tensor([0, 1, 8])), "token 2 writes slot 1 position 8"),
+    (lambda o: o.rotary_kv(torch.randn(3, 120), torch.randn(3, 16), torch.randn(3, 16), 4, 2,
+                           torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16), torch.tensor([0, 1, 1]),
+                           torch.tensor([0, 1, 2])), "qkv must be a contiguous \\(rows, 128\\)"),
+    (lambda o: o.rotary_kv(torch.randn(3, 128), torch.randn(2, 16), torch.randn(2, 16), 4, 2,
+                           torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16), torch.tensor([0, 1, 1]),
+                           torch.tensor([0, 1, 2])), "one row per token"),
+    (lambda o: o.rotary_kv(torch.randn(3, 128), torch.randn(3, 16), torch.randn(3, 16), 4, 2,
+                           torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16), torch.tensor([0, 1]),
+                           torch.tensor([0, 1, 2])), "int64 \\(tokens,\\)"),
+])
+def test_layer_ops_bad_input_is_a_clear_error(make, message):
+    with pytest.raises(RuntimeError, match=message):
+        make(kernels.layer_ops(torch.float32))
+
+
+@NEEDS_KERNEL
+def test_the_engine_makes_three_fused_calls_per_layer():
+    runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=4, max_model_len=64))
+    lean, calls = runner._lean, []
+    real = lean.ops
+
+    def counted(name):
+        fn = getattr(real, name)
+        return lambda *a: calls.append(name) or fn(*a)
+
+    lean.ops = kernels.LayerOps(*(counted(n) for n in ("add_rms_norm", "silu_mul", "rotary_kv")))
+    layers = runner.model.config.num_hidden_layers
+    reqs = {f"r{i}": Request(f"r{i}", list(range(1, 20)), 4) for i in range(2)}
+    runner.execute(BatchPlan("continuous", tuple(reqs), (8, 1), (0, 0), (True, True), 0), reqs)
+    per_layer = ["add_rms_norm", "rotary_kv", "add_rms_norm", "silu_mul"]
+    assert calls == per_layer * layers + ["add_rms_norm"]  # and the final norm, of the sampled rows

@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from engine import kernels as engine_kernels
 from engine.config import ModelConfig, SchedulerConfig
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
@@ -63,8 +64,9 @@ def test_packed_mixed_steps_match_unbatched_reference_fp32(attention, kernels):
     config = SchedulerConfig(name="continuous", max_num_seqs=4, max_num_batched_tokens=16,
                              long_prefill_token_threshold=6)
     runner = ModelRunner(model_config, config)
-    if kernels == "torch":  # the path machines without ours run: projections on oneDNN, decodes on SDPA
+    if kernels == "torch":  # the path machines without ours run: oneDNN, SDPA, torch's elementwise ops
         runner._lean.gemv = runner.decode_attention = None
+        runner._lean.ops = engine_kernels.TORCH_LAYER_OPS
     _, worst, phases = run_and_compare(runner, sdpa_twin(model_config), config, mixed_requests(512), atol=1e-5)
     assert "mixed" in phases  # decodes and chunks with prior context shared one call
 

@@ -4,9 +4,12 @@
   the weights at memory speed; ``pack_panels`` lays a weight out for it.
 - ``decode_attention(dtype, head_dim)`` (decode_attention.cpp): every decoding request's one query
   against its own KV slot, in one call.
+- ``layer_ops(dtype)`` (layer_ops.cpp): a decoder layer's work between its products (residual add
+  + RMSNorm, SiLU·up, rotary + KV write) in three fused calls; ``TORCH_LAYER_OPS`` is the same
+  three in stock torch ops, what machines without the kernels run.
 
-Each returns None where this CPU cannot run it, and the engine keeps oneDNN's linear or SDPA for
-those calls. ``MINISERVE_KERNELS=0`` in the environment turns both off.
+Each returns None where this CPU cannot run it, and the engine keeps oneDNN's linear, SDPA or
+torch's ops for those calls. ``MINISERVE_KERNELS=0`` in the environment turns both off.
 
 The build (~10 s with g++ and ninja) is cached by torch.utils.cpp_extension under
 ``$TORCH_EXTENSIONS_DIR`` (default ~/.cache/torch_extensions) and redone only when a source or
@@ -18,9 +21,11 @@ torch's own kernels.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +34,8 @@ import torch.nn.functional as F
 
 MAX_ROWS = 8  # rows per call the kernel takes (kMaxRows in gemv.cpp)
 PANEL = 32  # output columns per panel (kPanel in gemv.cpp)
-SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "decode_attention.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "decode_attention.cpp", "layer_ops.cpp")]
+HEADERS = [Path(__file__).with_name("simd.h")]
 NAME = "miniserve_kernels"
 STALE_LOCK_S = 300.0  # the build takes ~8 s: a lock this old was left by a build that was killed
 log = logging.getLogger("miniserve.kernels")
@@ -91,8 +97,13 @@ def _load() -> bool:
         _clear_stale_lock()
         # -fopenmp: at::parallel_for then runs on torch's own OpenMP pool (the libgomp torch has
         # loaded); without it the kernel would run on one core
-        load(NAME, [str(p) for p in SOURCES], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-             is_python_module=False)
+        # torch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag.
+        # -ffp-contract=off: a product and a sum written apart stay apart (no fused multiply-add),
+        # so the layer ops round where torch rounds
+        headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+        load(NAME, [str(p) for p in SOURCES], extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off",
+                                                           f"-DMINISERVE_HEADERS={headers}"],
+             extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the engine still runs, on torch's kernels
         log.warning("miniserve's kernels could not be built (%s); decodes run on oneDNN and SDPA",
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -128,3 +139,50 @@ def decode_attention(dtype: torch.dtype, head_dim: int):
                  dtype, head_dim)
         return None
     return torch.ops.miniserve.decode_attention.default
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """What a decoder layer does between its matrix products, as three calls."""
+
+    add_rms_norm: Callable  # (h (T, n), delta (T, n) | None, weight, eps) -> RMSNorm(h += delta) · weight
+    silu_mul: Callable  # (gu (T, 2I), I) -> silu(gu[:, :I]) · gu[:, I:]
+    rotary_kv: Callable  # (qkv, cos (T, D), sin, heads, kv_heads, k_store, v_store, slots, positions) -> q (T, H, D)
+
+
+def _torch_add_rms_norm(h, delta, weight, eps):
+    """h += delta, then Qwen2RMSNorm.forward op for op."""
+    if delta is not None:
+        h.add_(delta)
+    x = h.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return weight * x.to(h.dtype)
+
+
+def _torch_silu_mul(gu, inter):
+    return F.silu(gu[:, :inter]) * gu[:, inter:]
+
+
+def _torch_rotary_kv(qkv, cos, sin, heads, kv_heads, k_store, v_store, slots, positions):
+    """Qwen2's apply_rotary_pos_emb over the q and k heads side by side in qkv (elementwise, so the
+    same values as rotating each), k and v written into their slots."""
+    t, d = qkv.shape[0], k_store.shape[-1]
+    qk = qkv[:, :(heads + kv_heads) * d].view(t, heads + kv_heads, d)
+    half = d // 2
+    qk = (qk * cos[:, None]) + (torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin[:, None])
+    k_store[slots, :, positions] = qk[:, heads:]
+    v_store[slots, :, positions] = qkv[:, (heads + kv_heads) * d:].view(t, kv_heads, d)
+    return qk[:, :heads]
+
+
+TORCH_LAYER_OPS = LayerOps(_torch_add_rms_norm, _torch_silu_mul, _torch_rotary_kv)
+
+
+@functools.cache
+def layer_ops(dtype: torch.dtype) -> LayerOps | None:
+    """miniserve's fused layer ops for ``dtype`` on this CPU, or None (then TORCH_LAYER_OPS)."""
+    if not _load() or not torch.ops.miniserve.layer_ops_supported(dtype):
+        return None
+    ops = torch.ops.miniserve
+    return LayerOps(ops.add_rms_norm.default, ops.silu_mul.default, ops.rotary_kv.default)

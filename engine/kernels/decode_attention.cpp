@@ -27,58 +27,16 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define MINISERVE_X86 1
-#endif
+#include "simd.h"
 
 namespace {
 
-constexpr int64_t kMaxHeadDim = 128;
 constexpr int kAccRegisters = 28;  // output accumulators a value pass may hold (of 32 zmm)
 
 #ifdef MINISERVE_X86
 
-bool cpu_has_avx512() {  // bf16 is widened and rounded by hand: no AVX512-BF16 needed
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
-
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-
-TARGET inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-TARGET inline __m512 load16(const uint16_t* p) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-TARGET inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-TARGET inline void store16(uint16_t* p, __m512 v) {
-  // round to nearest even (bf16 NaNs do not occur: the inputs are finite)
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-
-// e^x for x <= 0: x = n·ln2 + r with |r| <= ln2/2, e^r by its degree-7 Taylor polynomial
-// (relative error < 2e-8, below fp32's rounding), then scaled by 2^n (scalef underflows to 0).
-TARGET inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+using namespace miniserve_simd;
+#define TARGET MINISERVE_TARGET
 
 // r[i] = Σ lanes of a[i], for 16 vectors: pairwise sums through 4 levels of shuffles (45 ops for 16
 // sums; one _mm512_reduce_add_ps per score costs 8)

@@ -1,0 +1,61 @@
+"""miniserve's fused layer ops (engine/kernels/layer_ops.cpp) against the stock torch ops they
+replace, in one process: whole model calls through ModelRunner with the fused ops switched off and
+on call by call (benchmarks/calls.py), decode B=1, 8, 32 at context 256 and a 128-token prefill.
+
+    flock /tmp/miniserve-bench.lock python benchmarks/layer_ops.py [--dtypes float32,bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from calls import alternate
+
+from engine import kernels
+from engine.config import ModelConfig, SchedulerConfig
+from engine.model_runner import ModelRunner
+
+SHAPES = [("decode B=1", [256], [1]), ("decode B=8", [256] * 8, [1] * 8), ("decode B=32", [256] * 32, [1] * 32),
+          ("prefill 128", [0], [128])]
+
+
+def model_calls(runner: ModelRunner, fused: kernels.LayerOps, dtype_name: str, repeats: int) -> list[str]:
+    lean = runner._lean
+
+    def switch(on: bool) -> None:
+        lean.ops = fused if on else kernels.TORCH_LAYER_OPS
+
+    last = []
+    for name, contexts, chunks in SHAPES:
+        ab = alternate(runner, contexts, chunks, switch, repeats)
+        print(ab.line(name, "torch ops", "fused"), flush=True)
+        if name in ("decode B=1", "decode B=32"):
+            last.append(f"layer_ops_speedup_{name.replace('decode ', '').replace('=', '')}_{dtype_name}={ab.speedup:.2f}")
+    return last
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2_5_0_5b")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=9)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    last = []
+    for d in args.dtypes.split(","):
+        fused = kernels.layer_ops(getattr(torch, d))
+        if fused is None:
+            print(f"{d}: no fused layer ops on this machine (needs AVX-512 and a C++ compiler); the engine runs torch's")
+            continue
+        runner = ModelRunner(ModelConfig(name=args.model, dtype=d, num_threads=args.threads),
+                             SchedulerConfig(max_num_seqs=32, max_model_len=512))
+        print(f"{d}: model calls, torch ops / fused ops alternating (threads={torch.get_num_threads()})")
+        last += model_calls(runner, fused, d, args.repeats)
+        del runner
+    print(" ".join(last))
+
+
+if __name__ == "__main__":
+    main()

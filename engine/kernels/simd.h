@@ -1,0 +1,80 @@
+// AVX-512 helpers shared by miniserve's kernels: 16 fp32 lanes loaded from and stored to fp32 or
+// bf16 (widened on load, rounded to nearest even on store, as torch rounds), with masked forms
+// for a row's last n < 16 elements, and e^x. Functions carry their target attribute, so the
+// files build with plain flags and run only where cpu_has_avx512() holds.
+#pragma once
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#include <cstdint>
+
+#define MINISERVE_X86 1
+#define MINISERVE_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+
+namespace miniserve_simd {
+
+inline bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+MINISERVE_TARGET inline __mmask16 lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
+MINISERVE_TARGET inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+MINISERVE_TARGET inline __m512 load16(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+MINISERVE_TARGET inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+MINISERVE_TARGET inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  const __m256i v = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// v rounded to the precision of T, kept in fp32 lanes: what torch stores for a bf16 result
+MINISERVE_TARGET inline __m512 round_to(float*, __m512 v) { return v; }
+MINISERVE_TARGET inline __m512 round_to(uint16_t*, __m512 v) {
+  // round to nearest even (NaNs do not occur: the inputs are finite)
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+
+MINISERVE_TARGET inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+MINISERVE_TARGET inline void store16(uint16_t* p, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(round_to(p, v));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+MINISERVE_TARGET inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+MINISERVE_TARGET inline void store16(uint16_t* p, __m512 v, __mmask16 m) {
+  const __m512i bits = _mm512_castps_si512(round_to(p, v));
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+
+// e^x: x = n·ln2 + r with |r| <= ln2/2, e^r by its degree-7 Taylor polynomial (relative error
+// < 2e-8, below fp32's rounding), scaled by 2^n; 0 below -104, inf above 88.8 as expf.
+MINISERVE_TARGET inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace miniserve_simd
+
+#endif
