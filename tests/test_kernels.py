@@ -307,3 +307,38 @@ def test_the_engine_makes_three_fused_calls_per_layer():
     runner.execute(BatchPlan("continuous", tuple(reqs), (8, 1), (0, 0), (True, True), 0), reqs)
     per_layer = ["add_rms_norm", "rotary_kv", "add_rms_norm", "silu_mul"]
     assert calls == per_layer * layers + ["add_rms_norm"]  # and the final norm, of the sampled rows
+
+
+@NEEDS_KERNEL
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16]), rows=st.integers(1, 5), n=st.integers(1, 300),
+       ties=st.booleans(), seed=st.integers(0, 2**16))
+def test_argmax_rows_is_torchs_argmax(dtype, rows, n, ties, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g)
+    if ties:  # few distinct values: the first index of the largest must win
+        x = x.round()
+    x = x.to(dtype)
+    if seed % 3 == 0:
+        x[0, n // 2] = float("nan")  # a row with a NaN answers its first NaN
+    assert torch.equal(kernels.argmax_rows(dtype)(x), x.float().argmax(-1))
+
+
+@NEEDS_KERNEL
+def test_argmax_rows_bad_input_is_a_clear_error():
+    op = kernels.argmax_rows(torch.float32)
+    with pytest.raises(RuntimeError, match="contiguous \\(rows, vocab\\)"):
+        op(torch.randn(8, 4).T)
+    with pytest.raises(RuntimeError, match="no kernel for Half"):
+        op(torch.randn(2, 4).half())
+
+
+@NEEDS_KERNEL
+def test_the_engine_samples_with_the_argmax_kernel():
+    runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=2, max_model_len=64))
+    real, calls = runner.greedy, []
+    runner.greedy = lambda logits: calls.append(logits.shape) or real(logits)
+    reqs = {f"r{i}": Request(f"r{i}", list(range(1, 9)), 4) for i in range(2)}
+    result, logits = runner.execute(BatchPlan("continuous", tuple(reqs), (8, 8), (0, 0), (True, True), 0), reqs,
+                                    return_logits=True)
+    assert calls == [(2, runner.vocab_size)] and list(result.token_ids) == logits.argmax(-1).tolist()

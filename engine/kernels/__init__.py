@@ -7,6 +7,7 @@
 - ``layer_ops(dtype)`` (layer_ops.cpp): a decoder layer's work between its products (residual add
   + RMSNorm, SiLU·up, rotary + KV write) in three fused calls; ``TORCH_LAYER_OPS`` is the same
   three in stock torch ops, what machines without the kernels run.
+- ``argmax_rows(dtype)`` (argmax.cpp): each row's greedy token, rows in parallel, bf16 read as is.
 
 Each returns None where this CPU cannot run it, and the engine keeps oneDNN's linear, SDPA or
 torch's ops for those calls. ``MINISERVE_KERNELS=0`` in the environment turns both off.
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 
 MAX_ROWS = 8  # rows per call the kernel takes (kMaxRows in gemv.cpp)
 PANEL = 32  # output columns per panel (kPanel in gemv.cpp)
-SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "decode_attention.cpp", "layer_ops.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "decode_attention.cpp", "layer_ops.cpp", "argmax.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 NAME = "miniserve_kernels"
 STALE_LOCK_S = 300.0  # the build takes ~8 s: a lock this old was left by a build that was killed
@@ -186,3 +187,11 @@ def layer_ops(dtype: torch.dtype) -> LayerOps | None:
         return None
     ops = torch.ops.miniserve
     return LayerOps(ops.add_rms_norm.default, ops.silu_mul.default, ops.rotary_kv.default)
+
+
+@functools.cache
+def argmax_rows(dtype: torch.dtype):
+    """logits (rows, vocab) -> each row's first index of its largest value, as torch.argmax, or None."""
+    if not _load() or not torch.ops.miniserve.argmax_supported(dtype):
+        return None
+    return torch.ops.miniserve.argmax_rows.default

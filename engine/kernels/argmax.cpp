@@ -1,0 +1,105 @@
+// miniserve::argmax_rows — the greedy token of each row of logits (rows, vocab), fp32 or bf16,
+// read once, rows spread over torch's threads.
+//
+// Why: torch's argmax over a (32, 151936) fp32 row block runs on one core at ~10 GB/s (2 ms, ~1%
+// of a fp32 decode call at B=32), and bf16 logits were first copied to fp32 (bf16 argmax is 4x
+// slower still). Same answer as torch.argmax: the first index of the largest value, and the first
+// NaN if a row has one.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "simd.h"
+
+namespace {
+
+#ifdef MINISERVE_X86
+
+using namespace miniserve_simd;
+
+template <typename T>
+float scalar(const T* p, int64_t i) {
+  if constexpr (std::is_same_v<T, float>) {
+    return p[i];
+  } else {
+    const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+}
+
+template <typename T>
+MINISERVE_TARGET int64_t argmax_row(const T* x, int64_t n) {
+  // per lane: the largest value seen and the first index holding it (later equal values lose)
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  __m512i best_at = _mm512_set1_epi32(0), at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    const __m512 v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m, load16(x + i, m));
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, gt, v);
+    best_at = _mm512_mask_mov_epi32(best_at, gt, at);
+    at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
+  }
+  if (nan) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (std::isnan(scalar(x, i))) return i;
+    }
+  }
+  const float top = _mm512_reduce_max_ps(best);
+  const __mmask16 tops = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+  // among the lanes holding the largest value, the smallest index; all -inf: index 0
+  const __m512i idx = _mm512_mask_mov_epi32(_mm512_set1_epi32(INT32_MAX), tops, best_at);
+  const int32_t first = _mm512_reduce_min_epi32(idx);
+  return first == INT32_MAX ? 0 : first;
+}
+
+#endif  // MINISERVE_X86
+
+bool argmax_supported(at::ScalarType dtype) {
+#ifdef MINISERVE_X86
+  return (dtype == at::kFloat || dtype == at::kBFloat16) && cpu_has_avx512();
+#else
+  return false;
+#endif
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  const char* op = "miniserve::argmax_rows: ";
+  TORCH_CHECK(argmax_supported(logits.scalar_type()), op, "no kernel for ", logits.scalar_type(), " on this CPU");
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) >= 1 && logits.size(1) < INT32_MAX, op,
+              "logits must be a contiguous (rows, vocab) tensor, got ", logits.sizes());
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+#ifdef MINISERVE_X86
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      o[r] = logits.scalar_type() == at::kFloat
+                 ? argmax_row(logits.data_ptr<float>() + r * n, n)
+                 : argmax_row(reinterpret_cast<const uint16_t*>(logits.data_ptr<c10::BFloat16>()) + r * n, n);
+    }
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(miniserve, m) {
+  m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("argmax_supported(ScalarType dtype) -> bool", &argmax_supported);
+}
+
+TORCH_LIBRARY_IMPL(miniserve, CPU, m) { m.impl("argmax_rows", &argmax_rows); }
