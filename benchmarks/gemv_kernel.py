@@ -1,11 +1,11 @@
 """miniserve's gemv kernel (engine/kernels/gemv.cpp) against oneDNN's pre-packed linear, in one process.
 
 1. The model's weight matrices in order (24 layers' qkv, o, gate/up, down, then lm_head), each
-   multiplied by 1-12 rows: ms per pass and GB/s of weights read, oneDNN then the kernel,
+   multiplied by 1-96 rows: ms per pass and GB/s of weights read, oneDNN then the kernel,
    alternating pass by pass so both see the same memory load (past MAX_ROWS the engine does not
-   use the kernel; 12 rows shows oneDNN alone).
+   use the kernel; 96 rows shows oneDNN alone).
 2. Whole model calls through ModelRunner with the kernel switched off and on, alternating call by
-   call: decode B=1, 2, 4, 8, 16 at context 256 and a 128-token prefill. Prints medians and the
+   call: decode B=1, 2, 4, 8, 16, 32 at context 256 and 64- and 128-token prefills. Prints medians and the
    median per-pair speedup, and how far the logits moved.
 
     flock /tmp/miniserve-bench.lock python benchmarks/gemv_kernel.py [--dtypes float32,bfloat16]
@@ -70,8 +70,8 @@ def model_calls(runner: ModelRunner, gemv, repeats: int) -> dict[str, float]:
         lean.gemv = gemv if on else None
 
     speedups = {}
-    for name, contexts, chunks in [(f"decode B={b}", [256] * b, [1] * b) for b in (1, 2, 4, 8, 16)] + [
-            ("prefill 128", [0], [128])]:
+    for name, contexts, chunks in [(f"decode B={b}", [256] * b, [1] * b) for b in (1, 2, 4, 8, 16, 32)] + [
+            ("prefill 64", [0], [64]), ("prefill 128", [0], [128])]:
         ab = alternate(runner, contexts, chunks, switch, repeats)
         speedups[name] = ab.speedup
         print(ab.line(name, "oneDNN", "with gemv"), flush=True)
@@ -95,12 +95,12 @@ def main() -> None:
                   " and a C++ compiler); the engine runs oneDNN")
             continue
         runner = ModelRunner(ModelConfig(name=args.model, dtype=d, num_threads=args.threads),
-                             SchedulerConfig(max_num_seqs=16, max_model_len=512))
+                             SchedulerConfig(max_num_seqs=32, max_model_len=512))
         print(f"{d}: the model's projections, one pass over all weights (threads={torch.get_num_threads()})")
-        kernel_rates(runner, gemv, dtype, (1, 2, 4, 8, 12), args.repeats)
+        kernel_rates(runner, gemv, dtype, (1, 2, 4, 8, 16, 32, 64, 96), args.repeats)
         print(f"{d}: model calls, kernel off/on alternating")
         speedups = model_calls(runner, gemv, args.repeats)
-        last += [f"gemv_speedup_decode_b{b}_{d}={speedups[f'decode B={b}']:.2f}" for b in (1, 8)]
+        last += [f"gemv_speedup_decode_b{b}_{d}={speedups[f'decode B={b}']:.2f}" for b in (1, 8, 32)]
         del runner
     print(" ".join(last))
 

@@ -12,9 +12,10 @@ elsewhere the stock modules' ops, op for op. Either way they round where stock r
 logits match stock transformers (tests compare them at 1e-5) and bf16 rounds where stock rounds.
 
 Each projection runs one of two kernels, by how many rows it multiplies: up to
-``engine.kernels.MAX_ROWS`` (a decode step of up to eight requests, the sampled rows of a
-prefill) miniserve's own gemv over a panel-packed copy of the weight, which reads it at memory
-speed (benchmarks/gemv_kernel.py); more rows, oneDNN's linear over its pre-packed copy. Two
+``engine.kernels.MAX_ROWS`` (64: a decode step of up to 64 requests, a short chunk, the sampled
+rows of a prefill) miniserve's own gemv over a panel-packed copy of the weight, which reads it
+once at memory speed (benchmarks/gemv_kernel.py); more rows, oneDNN's linear over its pre-packed
+copy. Two
 packed copies beside the model's own weights: memory for speed, on a small model.
 
 Only the engine's own model gets it (``ModelRunner``); the model's parameters, state dict and

@@ -1,5 +1,5 @@
 """miniserve's kernels: gemv is the exact product up to rounding and the engine runs it for up to
-eight rows and oneDNN above; decode attention is exact attention up to rounding over each request's
+MAX_ROWS rows and oneDNN above; decode attention is exact attention up to rounding over each request's
 own keys and the engine runs it once per layer for a step's decodes; bad input to either is refused
 with a clear error."""
 
@@ -68,8 +68,8 @@ def _case(x, w, bias=None, n=None, k=None):
 
 @NEEDS_KERNEL
 @pytest.mark.parametrize("make, message", [
-    (lambda: _case(torch.randn(9, 8), torch.randn(4, 8)), "1 to 8 rows, got 9"),
-    (lambda: _case(torch.randn(0, 8), torch.randn(4, 8)), "1 to 8 rows, got 0"),
+    (lambda: _case(torch.randn(65, 8), torch.randn(4, 8)), "1 to 64 rows, got 65"),
+    (lambda: _case(torch.randn(0, 8), torch.randn(4, 8)), "1 to 64 rows, got 0"),
     (lambda: _case(torch.randn(1, 8), torch.randn(4, 8).bfloat16()), "the panels are BFloat16"),
     (lambda: _case(torch.randn(8, 2).T, torch.randn(4, 8)), "contiguous"),
     (lambda: _case(torch.randn(1, 8), torch.randn(4, 9)), "x has 8 columns, the panels were packed for 9"),
@@ -113,13 +113,14 @@ def test_a_build_lock_left_by_a_killed_build_is_removed(monkeypatch, tmp_path):
 
 
 @NEEDS_KERNEL
-def test_the_engine_runs_the_kernel_up_to_eight_rows_and_onednn_above():
+def test_the_engine_runs_the_kernel_up_to_max_rows_and_onednn_above():
+    assert kernels.MAX_ROWS == 64
     runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=4, max_model_len=64))
     lean = runner._lean
     real, calls = lean.gemv, []
     lean.gemv = lambda x, *rest: calls.append(x.shape[0]) or real(x, *rest)
     per_token_rows = 4 * runner.model.config.num_hidden_layers  # qkv, o, gate/up, down
-    reqs = {f"r{i}": Request(f"r{i}", list(range(1, 20)), 4) for i in range(4)}
+    reqs = {f"r{i}": Request(f"r{i}", list(range(1, 40)), 4) for i in range(4)}
     ids = tuple(reqs)
 
     def run(n, ctx, samples, expected):
@@ -127,10 +128,11 @@ def test_the_engine_runs_the_kernel_up_to_eight_rows_and_onednn_above():
         runner.execute(BatchPlan("continuous", ids[:len(n)], n, ctx, samples, sum(1 for t in n if t == 1)), reqs)
         assert calls == expected
 
-    run((8, 8, 8), (0, 0, 0), (False, False, True), [1])  # prefill: 24 rows on oneDNN, lm_head's 1 row here
-    run((1,), (8,), (True,), [1] * (per_token_rows + 1))  # a decode of one request: every projection
-    run((1, 1, 1), (9, 8, 8), (True, True, True), [3] * (per_token_rows + 1))  # of three: every projection
-    run((1, 8), (10, 0), (True, True), [2])  # 9 rows on oneDNN; two sampled rows here
+    run((18,) * 4, (0,) * 4, (False,) * 3 + (True,), [1])  # 72 rows on oneDNN; lm_head's 1 row here
+    run((1,), (18,), (True,), [1] * (per_token_rows + 1))  # a decode of one request: every projection
+    run((1, 1, 1), (19, 18, 18), (True, True, True), [3] * (per_token_rows + 1))  # of three: every projection
+    run((1, 8), (20, 0), (True, True), [9] * per_token_rows + [2])  # a decode and a chunk: 9 rows; 2 sampled
+    run((1, 1, 1, 30), (21, 19, 19, 0), (True,) * 4, [33] * per_token_rows + [4])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 8  # rows per call the kernel takes (kMaxRows in gemv.cpp)
+MAX_ROWS = 64  # rows per call the kernel takes (kMaxRows in gemv.cpp)
 PANEL = 32  # output columns per panel (kPanel in gemv.cpp)
 SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "decode_attention.cpp", "layer_ops.cpp", "argmax.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]

@@ -1,19 +1,23 @@
-// miniserve::gemv — y (M, N) = x (M, K) · wᵀ + bias for decode-sized M (1 to 8 rows: a decode
-// step of up to eight requests, the sampled rows of a prefill), with w pre-arranged in panels.
+// miniserve::gemv — y (M, N) = x (M, K) · wᵀ + bias for decode-sized M (1 to 64 rows: a decode
+// step of up to 64 requests, a short prefill chunk, the sampled rows of a prefill), with w
+// pre-arranged in panels.
 //
-// Why: a decode step reads every weight once and does little arithmetic with it, so its time is
-// how fast the weights stream from memory. At 1-8 rows oneDNN's linear reads the 0.5B model's
-// weights at 23-31 GB/s on this 2-core VM (least at 1, 2 and 8 rows), below what a plain sweep of
-// the same bytes reaches. Here each weight byte is loaded once, in address order, and used for
-// all M rows while it is in a register: w is stored as panels of 32 output columns
+// Why: a decode step reads every weight once and does little arithmetic with it, so at a few rows
+// its time is how fast the weights stream from memory. At 1-8 rows oneDNN's linear reads the 0.5B
+// model's weights at 23-31 GB/s on this 2-core VM (least at 1, 2 and 8 rows), below what a plain
+// sweep of the same bytes reaches. Here each weight byte is loaded once, in address order, and
+// used for up to 8 rows while it is in a register: w is stored as panels of 32 output columns
 // (engine/kernels/__init__.py pack_panels), so one k step of a panel is two vectors holding 32
 // outputs' weights; each row's x[k] is broadcast and multiplied in (fp32 FMA; bf16 AVX512-BF16
 // dot products over k pairs, summed in fp32 as oneDNN's bf16 matmul does, except that these
-// instructions flush bf16 denormals to zero). Accumulators stay in registers for the whole K, so
-// there are no reductions across lanes; with one running sum per output the fp32 error grows with
-// K a little faster than oneDNN's blocked sums (~1e-5 on the 0.5B model's logits). Each thread
-// takes a contiguous run of panels: one forward stream. The bias is added in fp32 and the result
-// rounded once to the input dtype. benchmarks/gemv_kernel.py measures it against oneDNN.
+// instructions flush bf16 denormals to zero). Past 8 rows a panel is multiplied into the rows 8 at
+// a time while it sits in cache, so the weights still come from memory once and the work becomes
+// FMA-bound: 90% of this CPU's fp32 peak and 91% of its bf16 peak at 32 rows, where oneDNN reaches
+// 83% and 81%. Accumulators stay in registers for the whole K, so there are no reductions across
+// lanes; with one running sum per output the fp32 error grows with K a little faster than
+// oneDNN's blocked sums (~1e-5 on the 0.5B model's logits). Each thread takes a contiguous run of
+// panels: one forward stream. The bias is added in fp32 and the result rounded once to the input
+// dtype. benchmarks/gemv_kernel.py measures it against oneDNN.
 //
 // Built at first use by engine/kernels/__init__.py (torch.utils.cpp_extension). The kernels are
 // compiled for AVX-512 with target attributes and only run where the CPU has it
@@ -35,8 +39,9 @@
 
 namespace {
 
-constexpr int64_t kPanel = 32;   // output columns per panel (engine/kernels/__init__.py PANEL)
-constexpr int64_t kMaxRows = 8;  // accumulators: 2 vectors per row, 16 of the 32 registers
+constexpr int64_t kPanel = 32;     // output columns per panel (engine/kernels/__init__.py PANEL)
+constexpr int64_t kBlockRows = 8;  // rows per register block: 2 accumulators per row, 16 of 32 registers
+constexpr int64_t kMaxRows = 64;   // rows per call (engine/kernels/__init__.py MAX_ROWS)
 
 #ifdef MINISERVE_X86
 
@@ -96,11 +101,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panels_bf16
     for (int64_t kk = 0; kk < pairs; ++kk) {
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + kk * kPanel * 2);
       const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kk * kPanel * 2 + 32);
-      const bool whole = kk < full;  // false only for the last pair of an odd K (its high half is 0)
       for (int m = 0; m < M; ++m) {
-        // x[2kk] in the low half of each 32-bit lane, x[2kk + 1] in the high: broadcast, one dot product
-        uint32_t pair = x[m * K + K - 1];
-        if (whole) std::memcpy(&pair, x + m * K + 2 * kk, 4);
+        // x[2kk] in the low half of each 32-bit lane, x[2kk + 1] in the high: broadcast, one dot
+        // product. The last pair of an odd K has no x[2kk + 1] (its weights there are 0).
+        uint32_t pair;
+        if (kk < full) {
+          std::memcpy(&pair, x + m * K + 2 * kk, 4);
+        } else {
+          pair = x[m * K + K - 1];
+        }
         const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
         a0[m] = _mm512_dpbf16_ps(a0[m], w0, xb);
         a1[m] = _mm512_dpbf16_ps(a1[m], w1, xb);
@@ -167,23 +176,30 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
   at::Tensor y = at::empty({M, N}, x.options());
 #ifdef MINISERVE_X86
   const int64_t grain = std::max<int64_t>(1, panels / std::max(1, at::get_num_threads()));
+  // each thread takes a run of panels; past 8 rows, each panel is multiplied into the rows 8 at a
+  // time while it sits in cache, so the weights still stream from memory once
+  const int64_t last = M - (M - 1) / kBlockRows * kBlockRows;  // rows in the last block, 1..8
   if (!bf16) {
     const float *xp = x.data_ptr<float>(), *wpp = wp.data_ptr<float>();
     const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
     float* yp = y.data_ptr<float>();
-    for_rows(M, [&](auto rows) {
-      at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
-        panels_f32<decltype(rows)::value>(xp, wpp, bp, yp, p0, p1, K, N);
-      });
+    at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        int64_t r = 0;
+        for (; r + kBlockRows < M; r += kBlockRows) panels_f32<kBlockRows>(xp + r * K, wpp, bp, yp + r * N, p, p + 1, K, N);
+        for_rows(last, [&](auto rows) { panels_f32<decltype(rows)::value>(xp + r * K, wpp, bp, yp + r * N, p, p + 1, K, N); });
+      }
     });
   } else {
     auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); };
     const uint16_t *xp = bits(x), *wpp = bits(wp), *bp = has_bias ? bits(*bias) : nullptr;
     uint16_t* yp = bits(y);
-    for_rows(M, [&](auto rows) {
-      at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
-        panels_bf16<decltype(rows)::value>(xp, wpp, bp, yp, p0, p1, K, N);
-      });
+    at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        int64_t r = 0;
+        for (; r + kBlockRows < M; r += kBlockRows) panels_bf16<kBlockRows>(xp + r * K, wpp, bp, yp + r * N, p, p + 1, K, N);
+        for_rows(last, [&](auto rows) { panels_bf16<decltype(rows)::value>(xp + r * K, wpp, bp, yp + r * N, p, p + 1, K, N); });
+      }
     });
   }
 #endif
