@@ -5,7 +5,9 @@
    alternating pass by pass so both see the same memory load (past MAX_ROWS the engine does not
    use the kernel; 96 rows shows oneDNN alone).
 2. Whole model calls through ModelRunner with the kernel switched off and on, alternating call by
-   call: decode B=1, 2, 4, 8, 16, 32 at context 256 and 64- and 128-token prefills. Prints medians and the
+   call: decode B=1, 2, 4, 8, 16, 32 at context 256 and 64- and 128-token prefills.
+3. The same calls at B=1, 8 with the panels in the engine's huge-page buffer and in a copy on
+   ordinary 4 KiB pages, alternating (kernels.in_huge_pages). Prints medians and the
    median per-pair speedup, and how far the logits moved.
 
     flock /tmp/miniserve-bench.lock python benchmarks/gemv_kernel.py [--dtypes float32,bfloat16]
@@ -25,10 +27,9 @@ from engine.config import ModelConfig, SchedulerConfig
 from engine.model_runner import ModelRunner
 
 
-def weight_sequence(runner: ModelRunner) -> list[tuple]:
-    """(panels, oneDNN-packed, bias) of every projection the engine runs, in forward order."""
-    lean = runner._lean
-    return [w for layer in lean.layers for w in layer if isinstance(w, tuple)] + [lean.lm]
+def weight_sequence(runner: ModelRunner) -> list[list]:
+    """[panels, oneDNN-packed, bias] of every projection the engine runs, in forward order."""
+    return runner._lean.projections
 
 
 def kernel_rates(runner: ModelRunner, gemv, dtype, rows_list, passes: int) -> None:
@@ -78,6 +79,20 @@ def model_calls(runner: ModelRunner, gemv, repeats: int) -> dict[str, float]:
     return speedups
 
 
+def page_calls(runner: ModelRunner, repeats: int) -> None:
+    projections = runner._lean.projections
+    huge = [w[0] for w in projections]
+    small = [kernels.Panels(p.data.clone(), p.n, p.k) for p in huge]  # torch's allocator: 4 KiB pages
+
+    def switch(on: bool) -> None:
+        for w, h, s in zip(projections, huge, small):
+            w[0] = h if on else s
+
+    for b in (1, 8):
+        print(alternate(runner, [256] * b, [1] * b, switch, repeats).line(f"decode B={b}", "4 KiB pages", "huge pages"),
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2_5_0_5b")
@@ -100,6 +115,8 @@ def main() -> None:
         kernel_rates(runner, gemv, dtype, (1, 2, 4, 8, 16, 32, 64, 96), args.repeats)
         print(f"{d}: model calls, kernel off/on alternating")
         speedups = model_calls(runner, gemv, args.repeats)
+        print(f"{d}: the panels in huge pages or 4 KiB pages, alternating")
+        page_calls(runner, args.repeats)
         last += [f"gemv_speedup_decode_b{b}_{d}={speedups[f'decode B={b}']:.2f}" for b in (1, 8, 32)]
         del runner
     print(" ".join(last))

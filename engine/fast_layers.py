@@ -78,6 +78,14 @@ class LeanQwen2:
             for m in (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj):
                 del m.packed_weight
                 del m.forward
+        if self.gemv is not None:  # the kernel streams the panels from memory: huge pages read faster
+            for w, panels in zip(self.projections, kernels.in_huge_pages([w[0] for w in self.projections])):
+                w[0] = panels
+
+    @property
+    def projections(self) -> list[list]:
+        """Every projection's [gemv panels or None, oneDNN-packed, bias], in forward order."""
+        return [w for layer in self.layers for w in layer if isinstance(w, list)] + [self.lm]
 
     @classmethod
     def supports(cls, model) -> bool:
@@ -87,10 +95,10 @@ class LeanQwen2:
                 and cfg.hidden_act == "silu" and set(layer_types) == {"full_attention"}
                 and hasattr(model.lm_head, "packed_weight"))
 
-    def _weights(self, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-        """One projection as its kernels take it: (gemv panels or None, oneDNN-packed, bias)."""
+    def _weights(self, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> list:
+        """One projection as its kernels take it: [gemv panels or None, oneDNN-packed, bias]."""
         panels = kernels.pack_panels(weight) if self.gemv is not None else None
-        return panels, packed, None if bias is None else bias.detach()
+        return [panels, packed, None if bias is None else bias.detach()]
 
     def _project(self, x: torch.Tensor, weights) -> torch.Tensor:
         """x (rows, in) times one projection."""

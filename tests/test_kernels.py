@@ -344,3 +344,21 @@ def test_the_engine_samples_with_the_argmax_kernel():
     result, logits = runner.execute(BatchPlan("continuous", tuple(reqs), (8, 8), (0, 0), (True, True), 0), reqs,
                                     return_logits=True)
     assert calls == [(2, runner.vocab_size)] and list(result.token_ids) == logits.argmax(-1).tolist()
+
+
+def test_panels_move_into_one_huge_page_buffer_unchanged():
+    ws = [torch.randn(40, 3), torch.randn(7, 5), torch.randn(33, 64)]
+    packed = [kernels.pack_panels(w) for w in ws]
+    moved = kernels.in_huge_pages(packed)
+    for p, m in zip(packed, moved):
+        assert (m.n, m.k) == (p.n, p.k) and torch.equal(m.data, p.data)
+        assert m.data.data_ptr() % 64 == 0  # each on a cache line, in one mapping
+    assert moved[0].data.untyped_storage().data_ptr() == moved[2].data.untyped_storage().data_ptr()
+    assert kernels.in_huge_pages([]) == []
+
+
+@NEEDS_KERNEL
+def test_the_engines_panels_sit_in_one_huge_page_buffer():
+    runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=2, max_model_len=64))
+    storages = {w[0].data.untyped_storage().data_ptr() for w in runner._lean.projections}
+    assert len(storages) == 1 and len(runner._lean.projections) == 4 * runner.model.config.num_hidden_layers + 1

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import mmap
 import os
 import time
 from collections.abc import Callable
@@ -66,6 +67,34 @@ def pack_panels(w: torch.Tensor) -> Panels:
         w = F.pad(w, (0, 0, 0, panels * PANEL - n))
         data = w.view(panels, PANEL, k).permute(0, 2, 1).contiguous()
     return Panels(data, n, k)
+
+
+def in_huge_pages(panels: list[Panels]) -> list[Panels]:
+    """The same panels, moved into one buffer of transparent huge pages.
+
+    Why: the kernel streams them from memory, and on this VM a 272 MB panel set read through
+    4 KiB pages at 52-54 GB/s and through 2 MiB pages at 60-65 GB/s, alternating in one process
+    (fewer TLB misses, each a page walk through the host's tables too). One buffer for all, so
+    matrices smaller than a huge page get them as well. Where the kernel has no THP (or it is
+    "never") this is an ordinary private anonymous mapping."""
+    if not panels:
+        return []
+    dtype, esize = panels[0].data.dtype, panels[0].data.element_size()
+    align = 64 // esize  # each panel set starts on a cache line
+    offsets, total = [], 0
+    for p in panels:
+        offsets.append(total)
+        total += -(-p.data.numel() // align) * align
+    buf = mmap.mmap(-1, total * esize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared: no THP
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    arena = torch.frombuffer(buf, dtype=dtype)  # the tensor keeps the mapping alive
+    moved = []
+    for p, at in zip(panels, offsets):
+        data = arena[at:at + p.data.numel()].view(p.data.shape)
+        data.copy_(p.data)
+        moved.append(Panels(data, p.n, p.k))
+    return moved
 
 
 def _clear_stale_lock() -> None:
