@@ -7,6 +7,7 @@ see the same one.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,8 +22,9 @@ from engine.request import Request
 def shape_plan(runner: ModelRunner, contexts: list[int], chunks: list[int], tag: str):
     """A plan over requests whose first ``context`` tokens already sit in the runner's KV slots."""
     reqs = {}
+    vocab = min(1000, runner.vocab_size - 1)  # token ids do not change a call's cost
     for i, (ctx, n) in enumerate(zip(contexts, chunks)):
-        r = Request(f"{tag}{i}", [(i * 31 + j) % 1000 + 1 for j in range(ctx + n + 1)], 4)
+        r = Request(f"{tag}{i}", [(i * 31 + j) % vocab + 1 for j in range(ctx + n + 1)], 4)
         reqs[r.request_id] = r
     ids = tuple(reqs)
     if any(contexts):
@@ -71,3 +73,15 @@ def alternate(runner: ModelRunner, contexts: list[int], chunks: list[int], switc
     diff = (logits[False] - logits[True]).abs().max().item()
     same = bool((logits[False].argmax(-1) == logits[True].argmax(-1)).all())
     return AB(times[False], times[True], diff, same)
+
+
+def kernel_bench_args(description: str | None = None) -> argparse.Namespace:
+    """The kernel benchmarks' common options, parsed, with torch's threads set."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--model", default="qwen2_5_0_5b")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=9)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    return args

@@ -15,12 +15,11 @@
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
-from calls import alternate
+from calls import alternate, kernel_bench_args
 
 from engine import kernels
 from engine.config import ModelConfig, SchedulerConfig
@@ -94,13 +93,7 @@ def page_calls(runner: ModelRunner, repeats: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="qwen2_5_0_5b")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=9)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = kernel_bench_args(__doc__)
     last = []
     for d in args.dtypes.split(","):
         dtype = getattr(torch, d)

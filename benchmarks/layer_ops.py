@@ -7,10 +7,9 @@ on call by call (benchmarks/calls.py), decode B=1, 8, 32 at context 256 and a 12
 
 from __future__ import annotations
 
-import argparse
 
 import torch
-from calls import alternate
+from calls import alternate, kernel_bench_args
 
 from engine import kernels
 from engine.config import ModelConfig, SchedulerConfig
@@ -36,13 +35,7 @@ def model_calls(runner: ModelRunner, fused: kernels.LayerOps, dtype_name: str, r
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="qwen2_5_0_5b")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=9)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = kernel_bench_args(__doc__)
     last = []
     for d in args.dtypes.split(","):
         fused = kernels.layer_ops(getattr(torch, d))

@@ -263,6 +263,16 @@ def test_fused_layer_ops_round_where_the_stock_ops_round(dtype, t, n, heads, d, 
     assert torch.equal(stores[0], stores[2]) and torch.equal(stores[1], stores[3])
 
 
+def _rotary_case(**override):
+    """Arguments of rotary_kv for 3 tokens, 4 query and 2 KV heads of 16 (two slots of 8 positions);
+    any of them overridden."""
+    args = dict(qkv=torch.randn(3, 128), cos=torch.randn(3, 16), sin=torch.randn(3, 16), heads=4, kv_heads=2,
+                k_store=torch.zeros(2, 2, 8, 16), v_store=torch.zeros(2, 2, 8, 16), slots=torch.tensor([0, 1, 1]),
+                positions=torch.tensor([0, 1, 2]))
+    args.update(override)
+    return tuple(args.values())
+
+
 @NEEDS_KERNEL
 @pytest.mark.parametrize("make, message", [
     (lambda o: o.add_rms_norm(torch.randn(2, 8).T, None, torch.randn(2), 1e-6), "h must be a contiguous"),
@@ -272,21 +282,12 @@ def test_fused_layer_ops_round_where_the_stock_ops_round(dtype, t, n, heads, d, 
     (lambda o: o.add_rms_norm(torch.randn(2, 8), None, torch.randn(7), 1e-6), "weight must be a contiguous \\(8,\\)"),
     (lambda o: o.add_rms_norm(torch.randn(2, 8).half(), None, torch.randn(8).half(), 1e-6), "no kernel for Half"),
     (lambda o: o.silu_mul(torch.randn(2, 9), 4), "gate/up must be a contiguous \\(rows, 8\\)"),
-    (lambda o: o.rotary_kv(torch.randn(3, 128), torch.randn(3, 16), torch.randn(3, 16), 4, 2,
-                           torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16), torch.tensor([0, 1, 2]),
-                           torch.tensor([0, 1, 2])), "token 2 writes slot 2 position 2; the stores hold 2 slots of 8"),
-    (lambda o: o.rotary_kv(torch.randn(3, 128), torch.randn(3, 16), torch.randn(3, 16), 4, 2,
-                           torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16), torch.tensor([0, 1, 1]),
-                           torch.tensor([0, 1, 8])), "token 2 writes slot 1 position 8"),
-    (lambda o: o.rotary_kv(torch.randn(3, 120), torch.randn(3, 16), torch.randn(3, 16), 4, 2,
-                           torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16), torch.tensor([0, 1, 1]),
-                           torch.tensor([0, 1, 2])), "qkv must be a contiguous \\(rows, 128\\)"),
-    (lambda o: o.rotary_kv(torch.randn(3, 128), torch.randn(2, 16), torch.randn(2, 16), 4, 2,
-                           torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16), torch.tensor([0, 1, 1]),
-                           torch.tensor([0, 1, 2])), "one row per token"),
-    (lambda o: o.rotary_kv(torch.randn(3, 128), torch.randn(3, 16), torch.randn(3, 16), 4, 2,
-                           torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16), torch.tensor([0, 1]),
-                           torch.tensor([0, 1, 2])), "int64 \\(tokens,\\)"),
+    (lambda o: o.rotary_kv(*_rotary_case(slots=torch.tensor([0, 1, 2]))),
+     "token 2 writes slot 2 position 2; the stores hold 2 slots of 8"),
+    (lambda o: o.rotary_kv(*_rotary_case(positions=torch.tensor([0, 1, 8]))), "token 2 writes slot 1 position 8"),
+    (lambda o: o.rotary_kv(*_rotary_case(qkv=torch.randn(3, 120))), "qkv must be a contiguous \\(rows, 128\\)"),
+    (lambda o: o.rotary_kv(*_rotary_case(cos=torch.randn(2, 16), sin=torch.randn(2, 16))), "one row per token"),
+    (lambda o: o.rotary_kv(*_rotary_case(slots=torch.tensor([0, 1]))), "int64 \\(tokens,\\)"),
 ])
 def test_layer_ops_bad_input_is_a_clear_error(make, message):
     with pytest.raises(RuntimeError, match=message):
