@@ -10,7 +10,7 @@
 - ``argmax_rows(dtype)`` (argmax.cpp): each row's greedy token, rows in parallel, bf16 read as is.
 
 Each returns None where this CPU cannot run it, and the engine keeps oneDNN's linear, SDPA or
-torch's ops for those calls. ``MINISERVE_KERNELS=0`` in the environment turns both off.
+torch's ops for those calls. ``MINISERVE_KERNELS=0`` in the environment turns them all off.
 
 The build (~10 s with g++ and ninja) is cached by torch.utils.cpp_extension under
 ``$TORCH_EXTENSIONS_DIR`` (default ~/.cache/torch_extensions) and redone only when a source or
@@ -114,10 +114,10 @@ def _clear_stale_lock() -> None:
 @functools.cache
 def _load() -> bool:
     if os.environ.get("MINISERVE_KERNELS", "1") == "0":
-        log.info("MINISERVE_KERNELS=0: decode linears run on oneDNN, decode attention on SDPA")
+        log.info("MINISERVE_KERNELS=0: the engine runs torch's own kernels (oneDNN, SDPA, stock ops)")
         return False
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        log.warning("no AVX-512 on this CPU: miniserve's kernels are not built; decodes run on oneDNN and SDPA")
+        log.warning("no AVX-512 on this CPU: miniserve's kernels are not built; the engine runs torch's own")
         return False
     try:
         import ninja  # the build tool torch's extension loader runs; on PATH even without an activated venv
@@ -126,16 +126,16 @@ def _load() -> bool:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         _clear_stale_lock()
         # -fopenmp: at::parallel_for then runs on torch's own OpenMP pool (the libgomp torch has
-        # loaded); without it the kernel would run on one core
-        # torch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag.
-        # -ffp-contract=off: a product and a sum written apart stay apart (no fused multiply-add),
-        # so the layer ops round where torch rounds
+        # loaded); without it the kernels would run on one core. -ffp-contract=off: a product and
+        # a sum written apart stay apart (no fused multiply-add), so the layer ops round where
+        # torch rounds. torch rebuilds when a source or a flag changes, not a header, so the
+        # headers' hash is a flag.
         headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
         load(NAME, [str(p) for p in SOURCES], extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off",
                                                            f"-DMINISERVE_HEADERS={headers}"],
              extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the engine still runs, on torch's kernels
-        log.warning("miniserve's kernels could not be built (%s); decodes run on oneDNN and SDPA",
+        log.warning("miniserve's kernels could not be built (%s); the engine runs torch's own",
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
         return False
     return True

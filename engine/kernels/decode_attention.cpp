@@ -36,11 +36,10 @@ constexpr int kAccRegisters = 28;  // output accumulators a value pass may hold 
 #ifdef MINISERVE_X86
 
 using namespace miniserve_simd;
-#define TARGET MINISERVE_TARGET
 
 // r[i] = Σ lanes of a[i], for 16 vectors: pairwise sums through 4 levels of shuffles (45 ops for 16
 // sums; one _mm512_reduce_add_ps per score costs 8)
-TARGET inline __m512 sum16(__m512* a) {
+MINISERVE_TARGET inline __m512 sum16(__m512* a) {
   __m512 b[8], c[4], d[2];
   for (int i = 0; i < 8; ++i)  // 128-bit lane: (a2i: 0+2, a2i+1: 0+2, a2i: 1+3, a2i+1: 1+3)
     b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
@@ -58,7 +57,7 @@ TARGET inline __m512 sum16(__m512* a) {
 // blocks of 16 (4 KB at D = 64, held in L1 across the group's heads); for each head the 16 dot
 // products stay 16-lane vectors until one transposing sum turns them into 16 scores.
 template <int NC, typename T>
-TARGET void scores_of(const float* q, const T* k, int64_t L, int G, float* scores) {
+MINISERVE_TARGET void scores_of(const float* q, const T* k, int64_t L, int G, float* scores) {
   int64_t j0 = 0;
   for (; j0 + 16 <= L; j0 += 16) {
     const float* kb;
@@ -91,7 +90,7 @@ TARGET void scores_of(const float* q, const T* k, int64_t L, int G, float* score
 }
 
 // scores become e^(s - max) in place, one row per head; inv_sum[g] = 1 / Σ_j of row g
-TARGET void softmax_rows(float* scores, int64_t L, int G, float* inv_sum) {
+MINISERVE_TARGET void softmax_rows(float* scores, int64_t L, int G, float* inv_sum) {
   const __mmask16 tail = static_cast<__mmask16>((1u << (L % 16)) - 1);
   for (int g = 0; g < G; ++g) {
     float* s = scores + g * L;
@@ -117,7 +116,7 @@ TARGET void softmax_rows(float* scores, int64_t L, int G, float* inv_sum) {
 
 // out[g] = inv_sum[g] · Σ_j p[g][j] · v[j] for heads g0..g0+GB-1, accumulators in registers
 template <int NC, int GB, typename T>
-TARGET void values_block(const float* p, const T* v, int64_t L, int g0, const float* inv_sum, T* out) {
+MINISERVE_TARGET void values_block(const float* p, const T* v, int64_t L, int g0, const float* inv_sum, T* out) {
   __m512 acc[GB][NC];
   for (int i = 0; i < GB; ++i)
     for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_setzero_ps();
@@ -136,7 +135,7 @@ TARGET void values_block(const float* p, const T* v, int64_t L, int g0, const fl
 }
 
 template <int NC, int GB, typename T>
-TARGET void values_of(const float* p, const T* v, int64_t L, int G, const float* inv_sum, T* out) {
+MINISERVE_TARGET void values_of(const float* p, const T* v, int64_t L, int G, const float* inv_sum, T* out) {
   int g = 0;
   for (; g + GB <= G; g += GB) values_block<NC, GB>(p, v, L, g, inv_sum, out);
   if constexpr (GB > 1) {  // the group's last heads: one narrower block
@@ -156,7 +155,7 @@ TARGET void values_of(const float* p, const T* v, int64_t L, int G, const float*
 
 // one (row, KV head) task: its G query heads against its L keys and values
 template <int NC, int GB, typename T>
-TARGET void attend_task(const T* qg, const T* k, const T* v, int64_t L, int G, float scale, T* out,
+MINISERVE_TARGET void attend_task(const T* qg, const T* k, const T* v, int64_t L, int G, float scale, T* out,
                         std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& inv_sum) {
   for (int64_t i = 0; i < G * NC * 16; i += 16) store16(qf.data() + i, _mm512_mul_ps(load16(qg + i), _mm512_set1_ps(scale)));
   scores.resize(G * L);

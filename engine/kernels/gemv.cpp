@@ -32,10 +32,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define MINISERVE_X86 1
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -45,19 +42,15 @@ constexpr int64_t kMaxRows = 64;   // rows per call (engine/kernels/__init__.py 
 
 #ifdef MINISERVE_X86
 
-bool cpu_has(bool bf16) {
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  return bf16 ? avx512 && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") : avx512;
-}
+using namespace miniserve_simd;
 
-__attribute__((target("avx512f"))) inline __mmask16 lanes(int64_t n) {
-  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+bool cpu_has(bool bf16) {  // bf16 also needs AVX512-BF16's dot products
+  return cpu_has_avx512() && (!bf16 || __builtin_cpu_supports("avx512bf16"));
 }
 
 // wp: (panels, K, 32) fp32
 template <int M>
-__attribute__((target("avx512f,avx512bw,fma"))) void panels_f32(const float* x, const float* wp, const float* bias,
+MINISERVE_TARGET void panels_f32(const float* x, const float* wp, const float* bias,
                                                                   float* y, int64_t p0, int64_t p1, int64_t K,
                                                                   int64_t N) {
   for (int64_t p = p0; p < p1; ++p) {
@@ -83,14 +76,9 @@ __attribute__((target("avx512f,avx512bw,fma"))) void panels_f32(const float* x, 
   }
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 bf16_to_f32(const uint16_t* p, __mmask16 mask) {
-  const __m256i v = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
 // wp: (panels, ceil(K / 2), 32, 2) bf16: lane j of a vector holds output j's weights for k pair kk
 template <int M>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panels_bf16(
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16"))) void panels_bf16(
     const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y, int64_t p0, int64_t p1, int64_t K,
     int64_t N) {
   const int64_t pairs = (K + 1) / 2, full = K / 2;
@@ -117,8 +105,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panels_bf16
     }
     const int64_t n0 = p * kPanel;
     const __mmask16 k0 = lanes(N - n0), k1 = lanes(N - n0 - 16);
-    const __m512 b0 = bias ? bf16_to_f32(bias + n0, k0) : _mm512_setzero_ps();
-    const __m512 b1 = bias && k1 ? bf16_to_f32(bias + n0 + 16, k1) : _mm512_setzero_ps();
+    const __m512 b0 = bias ? load16(bias + n0, k0) : _mm512_setzero_ps();
+    const __m512 b1 = bias && k1 ? load16(bias + n0 + 16, k1) : _mm512_setzero_ps();
     for (int m = 0; m < M; ++m) {  // round to nearest even, once
       _mm256_mask_storeu_epi16(y + m * N + n0, k0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a0[m], b0)));
       if (k1) {
