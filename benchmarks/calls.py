@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,6 +51,19 @@ class AB:
         return (f"  {name:12s} {off} {1e3 * statistics.median(self.off_s):7.1f} ms | {on} "
                 f"{1e3 * statistics.median(self.on_s):7.1f} ms | speedup {self.speedup:.2f} | "
                 f"max |Δlogit| {self.max_logit_diff:.1e}, same argmax {self.same_argmax}")
+
+
+def time_alternating(fns: list[Callable[[], object]], repeats: int, warm: int) -> list[list[float]]:
+    """Wall seconds of each function, called in turn ``warm + repeats`` times; the first ``warm``
+    rounds are not kept."""
+    times: list[list[float]] = [[] for _ in fns]
+    for i in range(warm + repeats):
+        for fn, out in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            if i >= warm:
+                out.append(time.perf_counter() - t)
+    return times
 
 
 def alternate(runner: ModelRunner, contexts: list[int], chunks: list[int], switch: Callable[[bool], None],

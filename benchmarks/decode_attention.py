@@ -11,11 +11,11 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
-import time
 
 import torch
-from calls import alternate, kernel_bench_args
+from calls import alternate, kernel_bench_args, time_alternating
 
 from engine.attention import RaggedBatch, ragged_attention
 from engine.config import ModelConfig, SchedulerConfig
@@ -37,13 +37,8 @@ def layer_rates(runner: ModelRunner, kernel, dtype: torch.dtype, repeats: int) -
         slots = list(range(b))
         query = torch.randn(1, heads, b, d).to(dtype)
         batches = [RaggedBatch.build(slots, [1] * b, [ctx] * b, "ragged", k) for k in (None, kernel)]
-        times: list[list[float]] = [[], []]
-        for i in range(repeats + 2):
-            for batch, out in zip(batches, times):
-                t = time.perf_counter()
-                ragged_attention(None, query, keys, values, batch, scaling=d ** -0.5)
-                if i >= 2:
-                    out.append(time.perf_counter() - t)
+        times = time_alternating([functools.partial(ragged_attention, None, query, keys, values, batch,
+                                                    scaling=d ** -0.5) for batch in batches], repeats, warm=2)
         sdpa, mine = (statistics.median(t) for t in times)
         kv_bytes = 2 * b * cfg.num_key_value_heads * (ctx + 1) * d * esize
         print(f"  B={b:<3d} ctx={ctx:<5d} SDPA {1e3 * sdpa:6.3f} ms {kv_bytes / sdpa / 1e9:5.1f} GB/s | kernel "

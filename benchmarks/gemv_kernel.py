@@ -16,10 +16,9 @@
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
-from calls import alternate, kernel_bench_args
+from calls import alternate, kernel_bench_args, time_alternating
 
 from engine import kernels
 from engine.config import ModelConfig, SchedulerConfig
@@ -46,17 +45,11 @@ def kernel_rates(runner: ModelRunner, gemv, dtype, rows_list, passes: int) -> No
             for panels, _, _ in seq:
                 gemv(xs[panels.k], panels, None)
 
-        a, b = [], []
-        fns = (onednn, mine) if rows <= kernels.MAX_ROWS else (onednn,)
-        for _ in range(passes + 1):
-            for fn, out in zip(fns, (a, b)):
-                t = time.perf_counter()
-                fn()
-                out.append(time.perf_counter() - t)
-        ta = statistics.median(a[1:])
+        times = time_alternating([onednn, mine] if rows <= kernels.MAX_ROWS else [onednn], passes, warm=1)
+        ta = statistics.median(times[0])
         row = f"  {rows} row(s): oneDNN {1e3 * ta:6.1f} ms {nbytes / ta / 1e9:5.1f} GB/s"
-        if b:
-            tb = statistics.median(b[1:])
+        if len(times) > 1:
+            tb = statistics.median(times[1])
             row += f" | gemv {1e3 * tb:6.1f} ms {nbytes / tb / 1e9:5.1f} GB/s | speedup {ta / tb:.2f}"
         else:
             row += " | gemv: not used past MAX_ROWS"
