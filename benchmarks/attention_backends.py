@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from engine.config import ModelConfig, SchedulerConfig
-from engine.model_runner import ModelRunner
-from engine.plan import BatchPlan
-from engine.request import Request
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.model.runner import ModelRunner
+from engine.core.plan import BatchPlan
+from engine.core.request import Request
 
 
 def prefilled(runner: ModelRunner, contexts: list[int], prefix: str) -> dict[str, Request]:

@@ -26,10 +26,10 @@ from calibration.calibrate import CalibrationConfig, plan_record, run_calibratio
 from calibration.contention import Interval
 from calibration.cost_model import CostModel
 from calibration.profiler import step_overheads
-from engine.config import ModelConfig, SchedulerConfig
+from engine.core.config import ModelConfig, SchedulerConfig
 from engine.llm_engine import Engine
-from engine.model_loader import config_fingerprint
-from engine.workload import LengthDist, WorkloadConfig, generate, make_requests
+from engine.model.loader import config_fingerprint
+from engine.observe.workload import LengthDist, WorkloadConfig, generate, make_requests
 
 SEED_WORKLOAD = WorkloadConfig(num_requests=16, prompt=LengthDist("fixed", value=12),
                                output=LengthDist("cycle", values=(4, 16, 8, 12)))

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model_runner import ModelRunner
-from engine.plan import BatchPlan
-from engine.request import Request
+from engine.model.runner import ModelRunner
+from engine.core.plan import BatchPlan
+from engine.core.request import Request
 
 
 def shape_plan(runner: ModelRunner, contexts: list[int], chunks: list[int], tag: str):

@@ -1,6 +1,6 @@
-"""miniserve's decode attention kernel (engine/kernels/decode_attention.cpp) against SDPA, in one process.
+"""miniserve's decode attention kernel (engine/model/kernels/decode_attention.cpp) against SDPA, in one process.
 
-1. One layer's decode attention as the engine calls it (engine.attention.ragged_attention over a
+1. One layer's decode attention as the engine calls it (engine.model.attention.ragged_attention over a
    SlotKVCache layer), for B requests at context C: SDPA over a masked view of the slots, then the
    kernel, alternating call by call. Prints ms per layer, GB/s of keys and values read, speedup.
 2. Whole decode calls through ModelRunner, the kernel switched off and on call by call
@@ -17,9 +17,9 @@ import statistics
 import torch
 from calls import alternate, kernel_bench_args, time_alternating
 
-from engine.attention import RaggedBatch, ragged_attention
-from engine.config import ModelConfig, SchedulerConfig
-from engine.model_runner import ModelRunner
+from engine.model.attention import RaggedBatch, ragged_attention
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.model.runner import ModelRunner
 
 LAYER_SHAPES = [(1, 256), (8, 256), (32, 256), (8, 1024), (32, 1024), (1, 4096)]  # (requests, context)
 CALL_SHAPES = [(1, 256), (8, 256), (32, 256), (8, 1024)]

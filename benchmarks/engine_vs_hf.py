@@ -24,11 +24,11 @@ import time
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
-from engine.config import ModelConfig, SchedulerConfig
+from engine.core.config import ModelConfig, SchedulerConfig
 from engine.llm_engine import Engine
-from engine.model_loader import load_model
-from engine.request import Request
-from engine.workload import LengthDist, WorkloadConfig, generate, make_requests
+from engine.model.loader import load_model
+from engine.core.request import Request
+from engine.observe.workload import LengthDist, WorkloadConfig, generate, make_requests
 
 WORKLOADS = {
     "seed": (WorkloadConfig(), SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)),
@@ -46,7 +46,7 @@ def fresh(requests: list[Request]) -> list[Request]:
 def run_engine(engine: Engine, sched: SchedulerConfig, requests: list[Request]) -> tuple[float, dict]:
     engine.reset(sched)
     result = engine.run(fresh(requests))
-    outputs = {r.request_id: list(r.output_token_ids) for r in engine.state.finished[-len(requests):]}
+    outputs = {r.request_id: list(r.output_token_ids) for r in engine.core.state.finished[-len(requests):]}
     return result.duration_s, outputs
 
 

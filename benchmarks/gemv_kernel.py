@@ -1,4 +1,4 @@
-"""miniserve's gemv kernel (engine/kernels/gemv.cpp) against oneDNN's pre-packed linear, in one process.
+"""miniserve's gemv kernel (engine/model/kernels/gemv.cpp) against oneDNN's pre-packed linear, in one process.
 
 1. The model's weight matrices in order (24 layers' qkv, o, gate/up, down, then lm_head), each
    multiplied by 1-96 rows: ms per pass and GB/s of weights read, oneDNN then the kernel,
@@ -20,9 +20,9 @@ import statistics
 import torch
 from calls import alternate, kernel_bench_args, time_alternating
 
-from engine import kernels
-from engine.config import ModelConfig, SchedulerConfig
-from engine.model_runner import ModelRunner
+from engine.model import kernels
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.model.runner import ModelRunner
 
 
 def weight_sequence(runner: ModelRunner) -> list[list]:

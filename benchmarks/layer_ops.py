@@ -1,4 +1,4 @@
-"""miniserve's fused layer ops (engine/kernels/layer_ops.cpp) against the stock torch ops they
+"""miniserve's fused layer ops (engine/model/kernels/layer_ops.cpp) against the stock torch ops they
 replace, in one process: whole model calls through ModelRunner with the fused ops switched off and
 on call by call (benchmarks/calls.py), decode B=1, 8, 32 at context 256 and a 128-token prefill.
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from calls import alternate, kernel_bench_args
 
-from engine import kernels
-from engine.config import ModelConfig, SchedulerConfig
-from engine.model_runner import ModelRunner
+from engine.model import kernels
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.model.runner import ModelRunner
 
 SHAPES = [("decode B=1", [256], [1]), ("decode B=8", [256] * 8, [1] * 8), ("decode B=32", [256] * 32, [1] * 32),
           ("prefill 128", [0], [128])]

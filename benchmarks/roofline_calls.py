@@ -24,9 +24,9 @@ import torch
 from calls import shape_plan
 
 from calibration.roofline import BandwidthProbe, Machine, ModelShape, call_work, measure_matmul, roofline_s
-from engine.config import ModelConfig, SchedulerConfig
-from engine.model_runner import ModelRunner
-from engine.plan import BatchPlan
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.model.runner import ModelRunner
+from engine.core.plan import BatchPlan
 
 CTX = 256  # decode context per request
 SHAPES = {  # name: (prior context per request, tokens per request)

@@ -26,8 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from calibration.cost_model import CostModel  # noqa: E402
-from engine.config import SchedulerConfig  # noqa: E402
-from engine.workload import LengthDist, WorkloadConfig, generate, iter_requests, make_requests  # noqa: E402
+from engine.core.config import SchedulerConfig  # noqa: E402
+from engine.observe.workload import LengthDist, WorkloadConfig, generate, iter_requests, make_requests  # noqa: E402
 from sim import CostModelTimer, simulate  # noqa: E402
 from sim.timing import cost_model_from  # noqa: E402
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig, SchedulerConfig
+from engine.core.config import ModelConfig, SchedulerConfig
 from engine.llm_engine import Engine
-from engine.trace import summarize_trace
-from engine.workload import WorkloadConfig, generate, make_requests
+from engine.observe.trace import summarize_trace
+from engine.observe.workload import WorkloadConfig, generate, make_requests
 from experiments.seed import _export_model_regions
 
 
@@ -56,7 +56,7 @@ def main() -> None:
         engine.warmup()
         requests = make_requests(generate(workload), vocab_size=engine.runner.vocab_size, seed=workload.seed)
         acc: dict[str, float] = defaultdict(float)
-        scheduler, state, runner = engine.scheduler, engine.state, engine.runner
+        scheduler, state, runner = engine.core.scheduler, engine.core.state, engine.runner
         scheduler.schedule = timed(acc, "schedule", scheduler.schedule)
         state.apply = timed(acc, "apply", state.apply)
         execute = runner.execute

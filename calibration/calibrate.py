@@ -15,8 +15,8 @@ from calibration.fit import Errors, fit_nnls, split_heldout
 from calibration.grid import GRID_SPECS, build_grid
 from calibration.profiler import Measurement, ShapePool, make_runner, measure_engine_runs, measure_shapes, threads_of
 from calibration.roofline import Machine, MemoryStamp, ModelShape, measure_machine, roofline_s
-from engine.config import ModelConfig
-from engine.model_loader import config_fingerprint
+from engine.core.config import ModelConfig
+from engine.model.loader import config_fingerprint
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.plan import BatchPlan
+from engine.core.plan import BatchPlan
 
 TOKEN_KNOTS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64, 128, 256)
 SAMPLE_KNOTS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
@@ -96,7 +96,7 @@ class CostModel:
     coefficients: tuple[float, ...]
     step_overhead_s: float = 0.0
     feature_names: tuple[str, ...] = FEATURES
-    fingerprint: str | None = None  # engine.model_loader.config_fingerprint of what was measured
+    fingerprint: str | None = None  # engine.model.loader.config_fingerprint of what was measured
     info: dict = field(default_factory=dict)  # fit errors, device, threads, torch version, date ...
     _tents: dict[tuple[int, int], float] = field(default_factory=dict, init=False, repr=False, compare=False)
     _decode_fixed: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.plan import BatchPlan
+from engine.core.plan import BatchPlan
 
 GRIDS = ("quick", "full")
 

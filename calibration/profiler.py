@@ -19,12 +19,12 @@ from tqdm import tqdm
 
 from calibration.contention import Interval
 from calibration.grid import Shape
-from engine.config import ModelConfig, SchedulerConfig
+from engine.core.config import ModelConfig, SchedulerConfig
 from engine.llm_engine import Engine
-from engine.model_runner import ModelRunner
-from engine.plan import BatchPlan
-from engine.request import Request
-from engine.workload import LengthDist, WorkloadConfig, generate, make_requests
+from engine.model.runner import ModelRunner
+from engine.core.plan import BatchPlan
+from engine.core.request import Request
+from engine.observe.workload import LengthDist, WorkloadConfig, generate, make_requests
 
 
 @dataclass(frozen=True)

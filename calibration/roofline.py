@@ -11,7 +11,7 @@ import mmap
 import time
 from dataclasses import asdict, dataclass
 
-from engine.plan import BatchPlan
+from engine.core.plan import BatchPlan
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,14 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.arrivals import ArrivalQueue
-from engine.config import ModelConfig, SchedulerConfig
-from engine.metrics import RequestRecord, summarize
-from engine.model_runner import ModelRunner
-from engine.plan import BatchPlan
-from engine.request import Request
-from engine.scheduler import make_scheduler
-from engine.state import ServingState
+from engine.core.arrivals import ArrivalQueue
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.observe.metrics import RequestRecord, summarize
+from engine.model.runner import ModelRunner
+from engine.core.plan import BatchPlan
+from engine.core.request import Request
+from engine.core.scheduler import make_scheduler
+from engine.core.state import ServingState
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class StepRecord:
 
     @property
     def trace_call(self) -> tuple[str, float, float]:
-        """(label, start_s, dur_s) of the model call, for engine.trace.write_chrome_trace."""
+        """(label, start_s, dur_s) of the model call, for engine.observe.trace.write_chrome_trace."""
         return self.plan.label, self.end_s - self.model_s, self.model_s
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from engine.bench_client import BenchConfig, fetch_model_info, format_summary, run_bench, write_outputs
-from engine.workload import WorkloadConfig, generate, make_requests
+from engine.loadgen.client import BenchConfig, fetch_model_info, format_summary, run_bench, write_outputs
+from engine.observe.workload import WorkloadConfig, generate, make_requests
 from experiments.schema import register, to_object
 
 

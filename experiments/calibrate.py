@@ -10,7 +10,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from calibration.calibrate import CalibrationConfig
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
 from experiments.schema import register, to_object
 
 

@@ -22,8 +22,8 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 
-from engine.metrics import read_requests_csv  # noqa: E402
-from engine.trace import read_calls  # noqa: E402
+from engine.observe.metrics import read_requests_csv  # noqa: E402
+from engine.observe.trace import read_calls  # noqa: E402
 from experiments.schema import register, to_object  # noqa: E402
 
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from engine.config import ModelConfig, SchedulerConfig
-from engine.metrics import write_metrics_json, write_requests_csv
-from engine.trace import summarize_trace, write_chrome_trace
-from engine.workload import WorkloadConfig, generate, make_requests
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.observe.metrics import write_metrics_json, write_requests_csv
+from engine.observe.trace import summarize_trace, write_chrome_trace
+from engine.observe.workload import WorkloadConfig, generate, make_requests
 from experiments.schema import register, to_object
 
 MODES = ("inprocess", "server")
@@ -70,9 +70,9 @@ def run_inprocess(app: RunApp, out_dir: Path) -> dict:
 
 def run_server(app: RunApp, out_dir: Path) -> dict:
     """Serve the workload through a fresh server process, measured from the client's side."""
-    from engine.bench_client import BenchConfig, fetch_model_info, run_bench, write_outputs
-    from engine.server import ServerConfig
-    from engine.server_process import ServerProcess, free_port
+    from engine.loadgen.client import BenchConfig, fetch_model_info, run_bench, write_outputs
+    from engine.serving.app import ServerConfig
+    from experiments.server_process import ServerProcess, free_port
 
     out_dir.mkdir(parents=True, exist_ok=True)
     trace = (out_dir / "trace.json").resolve()

@@ -21,9 +21,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from calibration.roofline import MemoryStamp
-from engine.config import SCHEDULER_NAMES, ModelConfig, SchedulerConfig
-from engine.trace import summarize_trace, write_chrome_trace
-from engine.workload import WorkloadConfig, generate, make_requests
+from engine.core.config import SCHEDULER_NAMES, ModelConfig, SchedulerConfig
+from engine.observe.trace import summarize_trace, write_chrome_trace
+from engine.observe.workload import WorkloadConfig, generate, make_requests
 from experiments.report_table import format_seed_table, format_side_by_side
 from experiments.schema import register, to_object
 
@@ -74,7 +74,7 @@ def run_scheduler(model: ModelConfig, scheduler: SchedulerConfig, workload: Work
     import torch
 
     from engine.llm_engine import Engine
-    from engine.metrics import write_metrics_json, write_requests_csv
+    from engine.observe.metrics import write_metrics_json, write_requests_csv
 
     out_dir.mkdir(parents=True, exist_ok=True)
     engine = Engine(scheduler, model)

@@ -18,11 +18,11 @@ import hydra
 import httpx
 from hydra.core.hydra_config import HydraConfig
 
-from engine.bench_client import BenchConfig, fetch_model_info, run_bench, write_outputs
-from engine.config import SCHEDULER_NAMES, ModelConfig, SchedulerConfig
-from engine.server import ServerConfig, parse_prometheus
-from engine.server_process import ServerProcess, free_port
-from engine.workload import WorkloadConfig, generate, make_requests
+from engine.loadgen.client import BenchConfig, fetch_model_info, run_bench, write_outputs
+from engine.core.config import SCHEDULER_NAMES, ModelConfig, SchedulerConfig
+from engine.serving.app import ServerConfig, parse_prometheus
+from experiments.server_process import ServerProcess, free_port
+from engine.observe.workload import WorkloadConfig, generate, make_requests
 from experiments.report_table import format_seed_table
 from experiments.schema import register, to_object
 from experiments.seed import seed_row

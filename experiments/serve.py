@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import hydra
 
-from engine.config import ModelConfig, SchedulerConfig
-from engine.server import ServerConfig, serve
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.serving.app import ServerConfig, serve
 from experiments.schema import register, to_object
 
 

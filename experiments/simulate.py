@@ -17,8 +17,8 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from engine.config import ModelConfig, SchedulerConfig
-from engine.workload import WorkloadConfig
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.observe.workload import WorkloadConfig
 from experiments.schema import register, to_object
 from sim.run import SimOptions, find_capacity, load_cost_model, run_workload, write_outputs
 

@@ -21,8 +21,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-from engine.config import ModelConfig, SchedulerConfig
-from engine.workload import WorkloadConfig
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.observe.workload import WorkloadConfig
 from experiments.schema import register, to_object
 from sim.run import SimOptions, load_cost_model, run_workload, write_outputs
 

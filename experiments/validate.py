@@ -26,10 +26,10 @@ from hydra.core.hydra_config import HydraConfig
 
 from calibration.cost_model import CostModel
 from calibration.roofline import MemoryStamp
-from engine.config import ModelConfig, SchedulerConfig
-from engine.request import Request
-from engine.trace import parse_label, summarize_calls
-from engine.workload import WorkloadConfig, generate, make_requests
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.core.request import Request
+from engine.observe.trace import parse_label, summarize_calls
+from engine.observe.workload import WorkloadConfig, generate, make_requests
 from experiments.report_table import format_table
 from experiments.schema import register, to_object
 from sim.run import load_cost_model
@@ -154,7 +154,7 @@ def validate_row(engine, cost: CostModel, row: Row) -> tuple[dict, dict]:
 
 def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
     from engine.llm_engine import Engine
-    from engine.model_runner import ModelRunner
+    from engine.model.runner import ModelRunner
 
     out_dir.mkdir(parents=True, exist_ok=True)
     profile = app.calibration.profile

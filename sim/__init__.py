@@ -6,8 +6,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from engine.request import Request
-from engine.workload import Workload, WorkloadConfig, generate, iter_requests, make_requests
+from engine.core.request import Request
+from engine.observe.workload import Workload, WorkloadConfig, generate, iter_requests, make_requests
 from sim.simulator import Simulation, SimResult, SimStep, simulate
 from sim.timing import ConstantTimer, CostModelTimer, ReplayDivergedError, ReplayTimer
 

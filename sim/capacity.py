@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from engine.workload import WorkloadConfig
+from engine.observe.workload import WorkloadConfig
 
 
 @dataclass(frozen=True)

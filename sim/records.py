@@ -1,7 +1,7 @@
 """What the simulator keeps per finished request, and the run's metrics from it.
 
-Full mode keeps engine.metrics.RequestRecord (every token time), exactly as real runs do, and
-summarizes with engine.metrics.summarize. Compact mode, for runs of a million requests, keeps a
+Full mode keeps engine.observe.metrics.RequestRecord (every token time), exactly as real runs do, and
+summarizes with engine.observe.metrics.summarize. Compact mode, for runs of a million requests, keeps a
 few numbers per request in typed arrays and streams inter-token latencies into a log-binned
 histogram: TTFT, TPOT, E2E and queue distributions stay exact, ITL mean and std are exact and
 ITL percentiles are within ``ItlSketch.RELATIVE_ERROR``. Both give metrics.json the same keys.
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.metrics import PERCENTILES, REQUEST_COLUMNS, RequestRecord, distribution, summarize
-from engine.request import Request
+from engine.observe.metrics import PERCENTILES, REQUEST_COLUMNS, RequestRecord, distribution, summarize
+from engine.core.request import Request
 
 
 class ItlSketch:
@@ -174,7 +174,7 @@ class RequestLog:
 
     def summarize(self, duration_s: float | None = None, slo_ttft_s: float | None = None,
                   slo_tpot_s: float | None = None) -> dict:
-        """engine.metrics.summarize's dict, computed from whichever form was kept."""
+        """engine.observe.metrics.summarize's dict, computed from whichever form was kept."""
         if self.keep_token_times:
             return summarize(self.records, duration_s, slo_ttft_s, slo_tpot_s)
         c = self.columns()
@@ -211,7 +211,7 @@ class RequestLog:
     def write_csv(self, path: Path) -> None:
         """requests.csv with the real runs' columns; compact mode leaves token_times_s empty."""
         if self.keep_token_times:
-            from engine.metrics import write_requests_csv
+            from engine.observe.metrics import write_requests_csv
             write_requests_csv(self.records, path)
             return
         c = self.columns()

@@ -8,10 +8,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from calibration.cost_model import CostModel
-from engine.config import ModelConfig, SchedulerConfig
-from engine.metrics import write_metrics_json
-from engine.trace import summarize_trace, write_chrome_trace
-from engine.workload import WorkloadConfig
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.observe.metrics import write_metrics_json
+from engine.observe.trace import summarize_trace, write_chrome_trace
+from engine.observe.workload import WorkloadConfig
 from sim import workload_requests
 from sim.capacity import CapacityResult, search_capacity
 from sim.simulator import SimResult, TimeSeries, simulate
@@ -33,7 +33,7 @@ def load_cost_model(profile: str | None, model: ModelConfig | None = None) -> Co
         raise MissingProfileError(f"calibration.profile={profile} does not exist")
     expect = None
     if model is not None:
-        from engine.model_loader import config_fingerprint  # reads the model's config; torch is imported
+        from engine.model.loader import config_fingerprint  # reads the model's config; torch is imported
         expect = config_fingerprint(model)
     return CostModel.load(profile, expect_fingerprint=expect)
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import simpy
 from simpy.events import URGENT, Event
 
-from engine.config import SchedulerConfig
-from engine.plan import BatchPlan
-from engine.request import Request
-from engine.scheduler import make_scheduler
-from engine.state import ServingState
+from engine.core.config import SchedulerConfig
+from engine.core.plan import BatchPlan
+from engine.core.request import Request
+from engine.core.scheduler import make_scheduler
+from engine.core.state import ServingState
 from sim.records import RequestLog
 from sim.router import make_router
 from sim.timing import StepTimer
@@ -69,7 +69,7 @@ class SimResult:
 
     @property
     def records(self):
-        """engine.metrics.RequestRecord per finished request (``keep_token_times`` runs)."""
+        """engine.observe.metrics.RequestRecord per finished request (``keep_token_times`` runs)."""
         if not self.log.keep_token_times:
             raise ValueError("this run kept compact records only (keep_token_times=False)")
         return self.log.records
@@ -78,7 +78,7 @@ class SimResult:
         return self.log.summarize(self.duration_s, slo_ttft_s, slo_tpot_s)
 
     def trace_calls(self) -> list[tuple[str, float, float]]:
-        """(label, start_s, dur_s) per model call, for engine.trace.write_chrome_trace."""
+        """(label, start_s, dur_s) per model call, for engine.observe.trace.write_chrome_trace."""
         return [(s.plan.label, s.start_s, s.end_s - s.start_s) for s in self.steps]
 
 

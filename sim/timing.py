@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from calibration.cost_model import FEATURES, CostModel
-from engine.plan import BatchPlan
+from engine.core.plan import BatchPlan
 
 
 def cost_model_from(step_overhead_s: float = 0.0, fingerprint: str | None = None, **coefficients: float) -> CostModel:

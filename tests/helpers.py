@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.config import SchedulerConfig
-from engine.plan import BatchPlan
-from engine.request import Request
-from engine.scheduler import make_scheduler
-from engine.state import ServingState
+from engine.core.config import SchedulerConfig
+from engine.core.plan import BatchPlan
+from engine.core.request import Request
+from engine.core.scheduler import make_scheduler
+from engine.core.state import ServingState
 
 SEED_OUTPUTS = (4, 16, 8, 12)
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from engine.bench_client import BenchConfig, BenchResult, HttpRecord, bench_metrics, format_summary, write_outputs
-from engine.metrics import read_requests_csv
+from engine.loadgen.client import BenchConfig, BenchResult, HttpRecord, bench_metrics, format_summary, write_outputs
+from engine.observe.metrics import read_requests_csv
 
 
 def record(rid: str, send: float, times: list[float], finish: str | None = "length", code: int = 200,

@@ -17,10 +17,10 @@ from calibration.fit import Errors, fit_nnls, split_heldout
 from calibration.grid import GRID_SPECS, Shape, build_grid
 from calibration.profiler import Measurement, step_overheads
 from calibration.roofline import Machine, ModelShape, call_work, roofline_s
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.llm_engine import StepRecord
-from engine.model_loader import config_fingerprint
-from engine.plan import BatchPlan
+from engine.model.loader import config_fingerprint
+from engine.core.plan import BatchPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from engine.config import ModelConfig, SchedulerConfig
+from engine.core.config import ModelConfig, SchedulerConfig
 from engine.llm_engine import Engine
-from engine.request import Request
+from engine.core.request import Request
 from tests.helpers import create_requests, drain
 
 
@@ -56,7 +56,7 @@ def test_greedy_outputs_do_not_depend_on_the_scheduler(engine):
         engine.reset(SchedulerConfig(name=name, max_num_seqs=4, max_num_batched_tokens=16,
                                      long_prefill_token_threshold=5))
         engine.run(create_requests(6, prompt_len=9))
-        outputs[name] = {r.request_id: r.output_token_ids for r in engine.state.finished}
+        outputs[name] = {r.request_id: r.output_token_ids for r in engine.core.state.finished}
     assert outputs["serial"] == outputs["static"] == outputs["continuous"]
 
 
@@ -67,7 +67,7 @@ def test_preemption_under_kv_pressure_keeps_outputs_exact(engine):
     engine.reset(SchedulerConfig(name="continuous", max_num_seqs=4, num_kv_blocks=10, block_size=4))
     result = engine.run(create_requests(5, prompt_len=8, outputs=(12,)))
     assert sum(r.num_preemptions for r in result.records) > 0
-    assert {r.request_id: r.output_token_ids for r in engine.state.finished} == expected
+    assert {r.request_id: r.output_token_ids for r in engine.core.state.finished} == expected
 
 
 def test_bad_requests_fail_before_anything_runs(engine):
@@ -79,6 +79,6 @@ def test_bad_requests_fail_before_anything_runs(engine):
         engine.run(good + [Request("long", list(range(60)), 8)])
     with pytest.raises(ValueError, match="unique"):
         engine.run(good + create_requests(1))
-    assert not engine.state.has_unfinished
+    assert not engine.core.state.has_unfinished
     result = engine.run(good)  # nothing was half-accepted: the same requests still run
     assert len(result.records) == 2

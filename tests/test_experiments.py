@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from engine.config import SCHEDULER_NAMES
+from engine.core.config import SCHEDULER_NAMES
 from experiments.schema import to_object
 from experiments import bench, calibrate, report, run, seed, seed_http, serve, simulate, sweep, validate  # noqa: F401  (registers schemas)
 from tests.helpers import REPO_ROOT

@@ -11,11 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import kernels
-from engine.config import ModelConfig, SchedulerConfig
-from engine.model_runner import ModelRunner
-from engine.plan import BatchPlan
-from engine.request import Request
+from engine.model import kernels
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.model.runner import ModelRunner
+from engine.core.plan import BatchPlan
+from engine.core.request import Request
 
 CPU_FLAGS = set(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("flags")), []))

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from engine.metrics import RequestRecord, distribution, read_requests_csv, summarize, write_requests_csv
+from engine.observe.metrics import RequestRecord, distribution, read_requests_csv, summarize, write_requests_csv
 
 
 def record(rid, arrival, times, prompt=10, first_scheduled=None):

@@ -4,14 +4,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine import kernels as engine_kernels
-from engine.config import ModelConfig, SchedulerConfig
-from engine.model_loader import load_model
-from engine.model_runner import ModelRunner
-from engine.plan import BatchPlan
-from engine.request import Request
-from engine.scheduler import make_scheduler
-from engine.state import ServingState
+from engine.model import kernels as engine_kernels
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.model.loader import load_model
+from engine.model.runner import ModelRunner
+from engine.core.plan import BatchPlan
+from engine.core.request import Request
+from engine.core.scheduler import make_scheduler
+from engine.core.state import ServingState
 
 
 def reference_logits(model, token_ids: list[int]) -> torch.Tensor:

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from engine.attention import RaggedBatch
-from engine.config import ModelConfig, SchedulerConfig
-from engine.model_runner import ModelRunner
-from engine.plan import BatchPlan
-from engine.request import Request
+from engine.model.attention import RaggedBatch
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.model.runner import ModelRunner
+from engine.core.plan import BatchPlan
+from engine.core.request import Request
 from tests.test_model_runner import reference_logits, sdpa_twin
 
 

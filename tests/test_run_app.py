@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from engine.metrics import read_requests_csv
-from engine.trace import summarize_trace
+from engine.observe.metrics import read_requests_csv
+from engine.observe.trace import summarize_trace
 
 
 @pytest.mark.parametrize("mode", ["inprocess", "server"])

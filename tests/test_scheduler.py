@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.config import SchedulerConfig
-from engine.request import Request, RequestStatus
-from engine.scheduler import ContinuousScheduler, make_scheduler
-from engine.state import ServingState
+from engine.core.config import SchedulerConfig
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import ContinuousScheduler, make_scheduler
+from engine.core.state import ServingState
 from tests.helpers import create_requests, drain
 
 

@@ -9,13 +9,13 @@ import time
 import httpx
 import pytest
 
-from engine.bench_client import BenchConfig, run_bench
-from engine.config import ModelConfig, SchedulerConfig
+from engine.loadgen.client import BenchConfig, run_bench
+from engine.core.config import ModelConfig, SchedulerConfig
 from engine.llm_engine import Engine
-from engine.request import Request
-from engine.server import ServerConfig, parse_prometheus
-from engine.server_process import ServerProcess, free_port
-from engine.workload import LengthDist, WorkloadConfig, generate, make_requests
+from engine.core.request import Request
+from engine.serving.app import ServerConfig, parse_prometheus
+from experiments.server_process import ServerProcess, free_port
+from engine.observe.workload import LengthDist, WorkloadConfig, generate, make_requests
 from tests.helpers import create_requests
 
 MODEL = ModelConfig(name="tiny", num_threads=1)  # one thread: the test machine's cores are shared
@@ -58,7 +58,7 @@ def test_streamed_tokens_equal_the_in_process_engine(server):
     requests = create_requests(6, prompt_len=10)
     engine = Engine(SCHEDULER, MODEL)
     offline = engine.run(create_requests(6, prompt_len=10))
-    expected = {r.request_id: r.output_token_ids for r in engine.state.finished}
+    expected = {r.request_id: r.output_token_ids for r in engine.core.state.finished}
     assert sum(len(v) for v in expected.values()) == sum(r.output_tokens for r in offline.records) == 60
 
     result = asyncio.run(run_bench(requests, BenchConfig(url=server.url, progress=False)))

@@ -8,12 +8,12 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.config import ModelConfig, SchedulerConfig
-from engine.engine_thread import EngineThread, QueueFull, RequestSink
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.serving.engine_thread import EngineThread, QueueFull, RequestSink
 from engine.llm_engine import Engine
-from engine.openai_protocol import ApiError, check_limits, parse_completion
-from engine.request import Request
-from engine.server import create_app, parse_prometheus
+from engine.serving.protocol import ApiError, check_limits, parse_completion
+from engine.core.request import Request
+from engine.serving.app import create_app, parse_prometheus
 
 TINY = ModelConfig(name="tiny", num_threads=1)
 

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.config import SchedulerConfig
-from engine.request import Request
-from engine.trace import summarize_trace, write_chrome_trace
-from engine.workload import LengthDist, WorkloadConfig, generate, make_requests
+from engine.core.config import SchedulerConfig
+from engine.core.request import Request
+from engine.observe.trace import summarize_trace, write_chrome_trace
+from engine.observe.workload import LengthDist, WorkloadConfig, generate, make_requests
 from sim import ConstantTimer, CostModelTimer, simulate, workload_requests
 from sim.timing import cost_model_from
 from sim.capacity import search_capacity

@@ -11,10 +11,10 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 from calibration.cost_model import ProfileMismatchError
-from engine.config import ModelConfig
-from engine.metrics import REQUEST_COLUMNS, summarize
-from engine.model_loader import config_fingerprint
-from engine.trace import summarize_trace
+from engine.core.config import ModelConfig
+from engine.observe.metrics import REQUEST_COLUMNS, summarize
+from engine.model.loader import config_fingerprint
+from engine.observe.trace import summarize_trace
 from experiments.schema import to_object
 from experiments.simulate import SimulateApp, run_app
 from sim.run import MissingProfileError

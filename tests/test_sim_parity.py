@@ -5,10 +5,10 @@ from dataclasses import replace
 
 import pytest
 
-from engine.config import ModelConfig, SchedulerConfig
+from engine.core.config import ModelConfig, SchedulerConfig
 from engine.llm_engine import Engine
-from engine.model_runner import ModelRunner
-from engine.workload import LengthDist, WorkloadConfig, generate, make_requests
+from engine.model.runner import ModelRunner
+from engine.observe.workload import LengthDist, WorkloadConfig, generate, make_requests
 from sim import CostModelTimer, ReplayDivergedError, ReplayTimer, simulate
 from sim.timing import cost_model_from
 

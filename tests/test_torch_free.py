@@ -9,8 +9,8 @@ sys.modules['torch'] = None      # any 'import torch' now raises ImportError
 sys.modules['simpy'] = None
 import time
 sys.modules['time'] = None       # and no clock either
-import engine.scheduler, engine.state, engine.plan, engine.request, engine.config, engine.arrivals
-from engine.config import SchedulerConfig
+import engine.core.scheduler, engine.core.state, engine.core.plan, engine.core.request, engine.core.config, engine.core.arrivals
+from engine.core.config import SchedulerConfig
 from tests.helpers import drain, create_requests
 plans, state = drain(SchedulerConfig(name='continuous'), create_requests(16))
 assert sum(r.num_output_tokens for r in state.finished) == 160

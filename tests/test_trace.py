@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from engine.config import ModelConfig, SchedulerConfig
+from engine.core.config import ModelConfig, SchedulerConfig
 from engine.llm_engine import Engine
-from engine.trace import parse_label, read_calls, summarize_trace, write_chrome_trace
+from engine.observe.trace import parse_label, read_calls, summarize_trace, write_chrome_trace
 from tests.helpers import create_requests
 
 

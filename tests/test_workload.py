@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from engine.workload import LengthDist, WorkloadConfig, generate, make_requests
+from engine.observe.workload import LengthDist, WorkloadConfig, generate, make_requests
 
 TRACE = "arrival_s,prompt_tokens,output_tokens\n0.0,100,7\n0.5,300,9\n2.0,200,11\n"
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.request import Request
+from engine.core.request import Request
 
 PERCENTILES = (50, 90, 99)
 

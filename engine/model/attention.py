@@ -7,7 +7,7 @@ that Qwen2Model passes through unchanged, so no global state is involved.
 Two backends, both exact:
 - ``ragged``: all single-token entries (decodes) in ONE call, then one SDPA per prefill chunk over
   its own slot (work ∝ Σ n_i·K_i). The decodes' call is miniserve's decode attention kernel
-  (engine/kernels/decode_attention.cpp: each request reads only its own keys, ~2.7x faster than
+  (engine/model/kernels/decode_attention.cpp: each request reads only its own keys, ~2.7x faster than
   SDPA at 32 × 256) where this CPU runs it, else one SDPA over a view of their slots' KV (no
   copy: keys past each request's length are masked off).
 - ``masked``: one SDPA over all requests' KV concatenated, with a block-diagonal causal mask

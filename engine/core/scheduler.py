@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from engine.config import SchedulerConfig
-from engine.plan import BatchPlan
-from engine.request import Request, RequestStatus
-from engine.state import ServingState
+from engine.core.config import SchedulerConfig
+from engine.core.plan import BatchPlan
+from engine.core.request import Request, RequestStatus
+from engine.core.state import ServingState
 
 
 class Scheduler(ABC):

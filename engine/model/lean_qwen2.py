@@ -6,13 +6,13 @@ transformers' layers (module ``__call__``, kwargs plumbing, decorators, one line
 projection), time during which neither core reads weights. ``LeanQwen2`` runs the same
 operations in one flat loop, with q/k/v as one weight and gate/up as one weight (fewer, larger
 matrix products; the concatenation does not change any output column). Between the products a
-layer makes three calls (``engine.kernels.LayerOps``): residual add + RMSNorm, rotary + KV write,
+layer makes three calls (``engine.model.kernels.LayerOps``): residual add + RMSNorm, rotary + KV write,
 SiLU·up. Where this CPU runs miniserve's kernels they are fused C++ passes (layer_ops.cpp);
 elsewhere the stock modules' ops, op for op. Either way they round where stock rounds, so fp32
 logits match stock transformers (tests compare them at 1e-5) and bf16 rounds where stock rounds.
 
 Each projection runs one of two kernels, by how many rows it multiplies: up to
-``engine.kernels.MAX_ROWS`` (64: a decode step of up to 64 requests, a short chunk, the sampled
+``engine.model.kernels.MAX_ROWS`` (64: a decode step of up to 64 requests, a short chunk, the sampled
 rows of a prefill) miniserve's own gemv over a panel-packed copy of the weight, which reads it
 once at memory speed (benchmarks/gemv_kernel.py); more rows, oneDNN's linear over its pre-packed
 copy. Two
@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine import kernels
-from engine.attention import ragged_attention
+from engine.model import kernels
+from engine.model.attention import ragged_attention
 
 _linear = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
 

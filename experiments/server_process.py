@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from engine.config import ModelConfig, SchedulerConfig
-from engine.server import ServerConfig
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.serving.app import ServerConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.request import Request
+from engine.core.request import Request
 
 ARRIVALS = ("burst", "poisson", "gamma", "trace", "closed_loop")
 LENGTH_KINDS = ("fixed", "cycle", "uniform", "lognormal", "empirical")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from engine.request import Request
+from engine.core.request import Request
 
 
 class ArrivalQueue:

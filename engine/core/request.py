@@ -8,7 +8,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.lane import DecodeLane
+    from engine.core.lane import DecodeLane
 
 
 class RequestStatus(IntEnum):

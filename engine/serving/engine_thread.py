@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.llm_engine import Engine, StepRecord
-from engine.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus
 
 log = logging.getLogger("miniserve.engine")
 
@@ -168,8 +168,8 @@ class EngineThread:
         self.ready.set()
         log.info("engine ready: scheduler=%s max_num_seqs=%d", cfg.name, cfg.max_num_seqs)
         try:
-            while self._drain(block=not self.engine.state.has_unfinished):
-                if self.engine.state.has_unfinished:
+            while self._drain(block=not self.engine.core.state.has_unfinished):
+                if self.engine.core.state.has_unfinished:
                     self._step()
         except Exception as exc:  # noqa: BLE001 - a bug in the loop must not hang clients
             log.exception("engine loop failed")
@@ -232,7 +232,7 @@ class EngineThread:
             live = self._live.get(request_id) if sampled else None
             if live is not None:
                 self._deliver(live)
-        engine.state.finished.clear()  # the server keeps no history: records live with clients
+        engine.core.state.finished.clear()  # the server keeps no history: records live with clients
         with self._lock:
             self._publish_gauges()
 
@@ -251,9 +251,9 @@ class EngineThread:
 
     def _publish_gauges(self) -> None:
         engine, stats = self.engine, self.stats
-        stats.num_waiting = len(engine.state.waiting)
-        stats.num_running = len(engine.state.running)
-        stats.kv_blocks_used = engine.state.kv.num_used
+        stats.num_waiting = len(engine.core.state.waiting)
+        stats.num_running = len(engine.core.state.running)
+        stats.kv_blocks_used = engine.core.state.kv.num_used
         stats.kv_slots_used = engine.runner.num_slots_used
 
     def _cancel_all(self, reason: str) -> None:

@@ -1,10 +1,10 @@
 """A load generator for an OpenAI-compatible server, after ``vllm bench serve``.
 
-Requests come from engine.workload (burst, Poisson at ``rate``, Gamma with ``burstiness``, trace
+Requests come from engine.observe.workload (burst, Poisson at ``rate``, Gamma with ``burstiness``, trace
 CSV), are sent at their arrival times over streaming HTTP (httpx), optionally capped at
 ``max_concurrency`` in flight (vLLM's ``--max-concurrency``: arrivals keep their schedule, a
 request waits for a free slot). The client records send, every token and end times; metrics
-come from engine.metrics, the same code the in-process engine and the simulator use.
+come from engine.observe.metrics, the same code the in-process engine and the simulator use.
 
 Against a miniserve server the final chunk also carries the engine's own times, so the client
 can report what the HTTP layer adds (client TTFT/E2E minus engine TTFT/E2E).
@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from engine.metrics import RequestRecord, distribution, summarize, write_metrics_json, write_requests_csv
-from engine.request import Request
+from engine.observe.metrics import RequestRecord, distribution, summarize, write_metrics_json, write_requests_csv
+from engine.core.request import Request
 
 FINISHED = {"length": "FINISHED_LENGTH", "stop": "FINISHED_STOPPED"}
 
@@ -189,7 +189,7 @@ async def run_bench(requests: list[Request], cfg: BenchConfig, model: str | None
 
 
 def bench_metrics(records: list[HttpRecord], duration_s: float, cfg: BenchConfig) -> dict:
-    """engine.metrics' summary of the requests that completed, plus failures and HTTP overhead."""
+    """engine.observe.metrics' summary of the requests that completed, plus failures and HTTP overhead."""
     ok = [r for r in records if r.ok]
     slo = {"slo_ttft_s": cfg.slo_ttft_ms / 1e3 if cfg.slo_ttft_ms else None,
            "slo_tpot_s": cfg.slo_tpot_ms / 1e3 if cfg.slo_tpot_ms else None}
@@ -212,7 +212,7 @@ def bench_metrics(records: list[HttpRecord], duration_s: float, cfg: BenchConfig
 
 
 def write_outputs(result: BenchResult, out_dir: Path) -> None:
-    """requests.csv and metrics.json (engine.metrics' formats) and http_requests.csv (send/end
+    """requests.csv and metrics.json (engine.observe.metrics' formats) and http_requests.csv (send/end
     times, HTTP status, engine-side TTFT/E2E and the overhead per request)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     write_requests_csv([r.to_request_record() for r in result.records], out_dir / "requests.csv")

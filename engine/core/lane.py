@@ -14,7 +14,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from operator import attrgetter
 
-from engine.request import Request
+from engine.core.request import Request
 
 BY_ADMISSION = attrgetter("admit_seq")  # running order
 

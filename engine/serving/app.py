@@ -27,10 +27,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.responses import StreamingResponse
 
-from engine.config import ModelConfig, SchedulerConfig
-from engine.engine_thread import EngineThread, Histogram, QueueFull, RequestSink, TokenEvent, clock
-from engine.openai_protocol import ApiError, CompletionParams, check_limits, parse_completion, parse_json
-from engine.request import Request as EngineRequest
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.serving.engine_thread import EngineThread, Histogram, QueueFull, RequestSink, TokenEvent, clock
+from engine.serving.protocol import ApiError, CompletionParams, check_limits, parse_completion, parse_json
+from engine.core.request import Request as EngineRequest
 
 log = logging.getLogger("miniserve.server")
 
@@ -334,7 +334,7 @@ class _Server(uvicorn.Server):
 def serve(model: ModelConfig, scheduler: SchedulerConfig, server: ServerConfig) -> int:
     """Build, warm up and serve until SIGTERM/SIGINT; returns the exit status (0 on a clean stop)."""
     from engine.llm_engine import Engine
-    from engine.trace import write_chrome_trace
+    from engine.observe.trace import write_chrome_trace
 
     def build() -> Engine:
         engine = Engine(scheduler, model)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from engine.config import SchedulerConfig
-from engine.lane import BY_ADMISSION, DecodeLane
-from engine.plan import BatchPlan
-from engine.request import Request, RequestStatus
+from engine.core.config import SchedulerConfig
+from engine.core.lane import BY_ADMISSION, DecodeLane
+from engine.core.plan import BatchPlan
+from engine.core.request import Request, RequestStatus
 
 
 class KVBlockPool:
@@ -59,7 +59,7 @@ class KVBlockPool:
 class ServingState:
     """Waiting, running and finished requests. Schedulers read and admit; ``apply`` advances.
 
-    Running requests that decode sit in ``lane`` as well (see engine/lane.py): a step whose plan
+    Running requests that decode sit in ``lane`` as well (see engine/core/lane.py): a step whose plan
     decodes every lane member advances them all at once.
     """
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from engine.attention import ATTN_IMPLEMENTATION
-from engine.config import ModelConfig
+from engine.model.attention import ATTN_IMPLEMENTATION
+from engine.core.config import ModelConfig
 
-CONFIG_DIR = Path(__file__).parent / "configs"
+CONFIG_DIR = Path(__file__).parents[1] / "configs"
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

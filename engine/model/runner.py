@@ -7,13 +7,13 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from engine import kernels
-from engine.attention import RaggedBatch, SlotKVCache
-from engine.config import ModelConfig, SchedulerConfig
-from engine.fast_layers import LeanQwen2
-from engine.model_loader import load_model, pack_linear_weights
-from engine.plan import BatchPlan, StepResult
-from engine.request import Request
+from engine.model import kernels
+from engine.model.attention import RaggedBatch, SlotKVCache
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.model.lean_qwen2 import LeanQwen2
+from engine.model.loader import load_model, pack_linear_weights
+from engine.core.plan import BatchPlan, StepResult
+from engine.core.request import Request
 
 
 def _torch_greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -27,7 +27,7 @@ class ModelRunner:
         self.model_config = model_config
         self.model, self.tokenizer = load_model(model_config)
         pack_linear_weights(self.model)  # 1.3-4x faster linears at decode sizes, fp32 and bf16 alike
-        # the same arithmetic with less Python per layer (engine/fast_layers.py); stock elsewhere
+        # the same arithmetic with less Python per layer (engine/model/lean_qwen2.py); stock elsewhere
         self._lean = LeanQwen2(self.model) if LeanQwen2.supports(self.model) else None
         cfg = self.model.config
         self.vocab_size: int = cfg.vocab_size
@@ -36,7 +36,7 @@ class ModelRunner:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = SlotKVCache(cfg.num_hidden_layers, scheduler_config.max_num_seqs, cfg.num_key_value_heads,
                                  self.max_model_len, head_dim, self.model.dtype)
-        # decodes attend with miniserve's kernel where this CPU runs it (engine/kernels), else SDPA
+        # decodes attend with miniserve's kernel where this CPU runs it (engine/model/kernels), else SDPA
         self.decode_attention = kernels.decode_attention(self.model.dtype, head_dim)
         self.greedy = kernels.argmax_rows(self.model.dtype) or _torch_greedy
         self._free_slots = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
