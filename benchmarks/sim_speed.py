@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from calibration.cost_model import CostModel  # noqa: E402
 from engine.core.config import SchedulerConfig  # noqa: E402
 from engine.observe.workload import LengthDist, WorkloadConfig, generate, iter_requests, make_requests  # noqa: E402
-from sim import CostModelTimer, simulate  # noqa: E402
-from sim.timing import cost_model_from  # noqa: E402
+from sim import CostModelExecutor, simulate  # noqa: E402
+from sim.executors import cost_model_from  # noqa: E402
 
 # seconds per unit of each plan feature (see calibration/cost_model.py)
 STAND_IN = cost_model_from(step_overhead_s=1e-3, const=5e-3, prefill_tokens=2e-5, decode_tokens=5e-5,
@@ -55,7 +55,7 @@ def run_once(n: int, rate: float, profile: str | None, keep_steps: bool = False)
     cost = cost_model(profile)
     requests = iter_requests(generate(workload(n, rate)))  # lazily: finished requests are freed
     t0 = time.perf_counter()
-    result = simulate(requests, SCHEDULER, lambda: CostModelTimer(cost), keep_token_times=False,
+    result = simulate(requests, SCHEDULER, lambda: CostModelExecutor(cost), keep_token_times=False,
                       keep_steps=keep_steps)
     wall = time.perf_counter() - t0
     m = result.metrics()
@@ -70,7 +70,7 @@ def saturation_rate(profile: str | None) -> float:
     cost = cost_model(profile)
     wl = workload(2000, 1.0)
     requests = make_requests(generate(WorkloadConfig(**{**wl.__dict__, "arrival": "burst"})))
-    return simulate(requests, SCHEDULER, lambda: CostModelTimer(cost), keep_token_times=False).metrics()[
+    return simulate(requests, SCHEDULER, lambda: CostModelExecutor(cost), keep_token_times=False).metrics()[
         "request_throughput_req_s"]
 
 

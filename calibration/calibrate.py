@@ -14,7 +14,7 @@ from calibration.cost_model import FEATURES, CostModel, plan_features
 from calibration.fit import Errors, fit_nnls, split_heldout
 from calibration.grid import GRID_SPECS, build_grid
 from calibration.profiler import Measurement, ShapePool, make_runner, measure_engine_runs, measure_shapes, threads_of
-from calibration.roofline import Machine, MemoryStamp, ModelShape, measure_machine, roofline_s
+from calibration.roofline import MemoryStamp, ModelShape, measure_machine, roofline_s
 from engine.core.config import ModelConfig
 from engine.model.loader import config_fingerprint
 
@@ -147,8 +147,3 @@ def plan_record(plan) -> dict:
     """Enough of a plan to rebuild it (refits and checks read profiles without re-measuring)."""
     return {"num_tokens": list(plan.num_tokens), "context_lens": list(plan.context_lens),
             "samples": list(plan.samples), "num_decodes": plan.num_decodes}
-
-
-def heldout_machine(profile_info: dict) -> Machine:
-    m = profile_info["roofline"]["machine"]
-    return Machine(m["bandwidth_bytes_s"], m["matmul_flops_s"])

@@ -73,16 +73,23 @@ def _tent_dot(x: float, knots: tuple[int, ...], coefficients: Sequence[float], a
     return coefficients[at + i] * (1.0 - w) + coefficients[at + i + 1] * w
 
 
-def plan_features(plan: BatchPlan) -> tuple[float, ...]:
-    nd = plan.num_decodes
-    ns, ctx = plan.num_tokens, plan.context_lens
-    prefill_tokens = 0
-    prefill_attention = 0.0
-    for n, c in zip(ns[nd:], ctx[nd:]):
+def plan_quantities(plan: BatchPlan) -> tuple[int, int, int, float, int, int]:
+    """What a call's cost depends on: (prefill tokens, decodes, Σ decode context, prefill
+    attention, requests, sampled rows). Read from counts: the decodes a plan carries together are
+    never listed."""
+    prefill_tokens, prefill_attention = 0, 0.0
+    for n, c in plan.prefill_chunks:
         prefill_tokens += n
         prefill_attention += n * (c + n / 2)
-    return (1.0, float(prefill_tokens), float(nd), float(sum(ctx[:nd])), prefill_attention,
-            float(len(ns)), *tents(prefill_tokens + nd, TOKEN_KNOTS), *tents(sum(plan.samples), SAMPLE_KNOTS))
+    return (prefill_tokens, plan.num_decodes, plan.decode_context_sum, prefill_attention, plan.num_requests,
+            plan.num_samples)
+
+
+def plan_features(plan: BatchPlan) -> tuple[float, ...]:
+    """The fit's feature row (FEATURES) of one plan."""
+    prefill_tokens, decodes, decode_context, prefill_attention, requests, samples = plan_quantities(plan)
+    return (1.0, float(prefill_tokens), float(decodes), float(decode_context), prefill_attention, float(requests),
+            *tents(prefill_tokens + decodes, TOKEN_KNOTS), *tents(samples, SAMPLE_KNOTS))
 
 
 class ProfileMismatchError(ValueError):
@@ -98,7 +105,6 @@ class CostModel:
     feature_names: tuple[str, ...] = FEATURES
     fingerprint: str | None = None  # engine.model.loader.config_fingerprint of what was measured
     info: dict = field(default_factory=dict)  # fit errors, device, threads, torch version, date ...
-    _tents: dict[tuple[int, int], float] = field(default_factory=dict, init=False, repr=False, compare=False)
     _decode_fixed: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -112,30 +118,23 @@ class CostModel:
 
     def predict(self, plan: BatchPlan) -> float:
         """Duration of the model call that executes ``plan``, in seconds: the coefficients times
-        plan_features(plan), computed without building the feature row (the simulator calls this
-        once per step; at most two weights of each tent basis are non-zero)."""
-        nd = plan.num_decodes
-        ns, ctx = plan.num_tokens, plan.context_lens
-        if nd == len(ns):
-            return self.predict_decodes(nd, sum(ctx))
+        plan_features(plan), computed without building the feature row (at most two weights of
+        each tent basis are non-zero)."""
+        if not plan.ids:  # decodes together and nothing else: most steps of a simulation
+            return self.predict_decodes(plan.lane_size, plan.lane_context_sum)
+        if not plan.num_prefills:
+            return self.predict_decodes(plan.num_decodes, plan.decode_context_sum)
+        prefill_tokens, decodes, decode_context, prefill_attention, requests, samples = plan_quantities(plan)
         c = self.coefficients
-        prefill_tokens, prefill_attention = 0, 0.0
-        for n, k in zip(ns[nd:], ctx[nd:]):
-            prefill_tokens += n
-            prefill_attention += n * (k + n / 2)
-        samples, decode_context = nd + sum(plan.samples[nd:]), sum(ctx[:nd])
-        shape = (prefill_tokens + nd, samples)
-        tents = self._tents.get(shape)
-        if tents is None:
-            tents = self._tents[shape] = (_tent_dot(shape[0], TOKEN_KNOTS, c, _TOKENS_AT)
-                                          + _tent_dot(samples, SAMPLE_KNOTS, c, _SAMPLES_AT))
-        return (c[0] + c[1] * prefill_tokens + c[2] * nd + c[3] * decode_context + c[4] * prefill_attention
-                + c[5] * len(ns) + tents)
+        return (c[0] + c[1] * prefill_tokens + c[2] * decodes + c[3] * decode_context + c[4] * prefill_attention
+                + c[5] * requests + _tent_dot(prefill_tokens + decodes, TOKEN_KNOTS, c, _TOKENS_AT)
+                + _tent_dot(samples, SAMPLE_KNOTS, c, _SAMPLES_AT))
 
     def predict_decodes(self, num_decodes: int, context_sum: int) -> float:
         """``predict`` of a call that decodes ``num_decodes`` requests (contexts summing to
-        ``context_sum``) and nothing else: the simulator's steps that build no plan."""
-        fixed = self._decode_fixed.get(num_decodes)  # everything but the context term
+        ``context_sum``) and nothing else: most of a simulation's steps, so the part that depends
+        on the count alone is remembered per count."""
+        fixed = self._decode_fixed.get(num_decodes)
         if fixed is None:
             c = self.coefficients
             fixed = self._decode_fixed[num_decodes] = (
@@ -149,9 +148,6 @@ class CostModel:
         a profile from before stamps: decode cost moves with it on a shared machine."""
         stamp = self.info.get("memory_read_gb_s")
         return (stamp["before"] + stamp["after"]) / 2 if stamp else None
-
-    def predict_features(self, rows: Sequence[Sequence[float]]) -> list[float]:
-        return [sum(c * x for c, x in zip(self.coefficients, row)) for row in rows]
 
     def to_dict(self) -> dict:
         return {"feature_names": list(self.feature_names), "coefficients": list(self.coefficients),

@@ -34,13 +34,13 @@ class Shape:
 
     def to_plan(self, request_ids: list[str]) -> BatchPlan:
         nd = len(self.decode_contexts)
-        return BatchPlan(
-            scheduler="calibration",
-            request_ids=tuple(request_ids[:self.num_requests]),
-            num_tokens=(1,) * nd + tuple(n for n, _, _ in self.chunks),
-            context_lens=self.decode_contexts + tuple(c for _, c, _ in self.chunks),
-            samples=(True,) * nd + tuple(s for _, _, s in self.chunks),
-            num_decodes=nd,
+        return BatchPlan.of(
+            "calibration",
+            request_ids[:self.num_requests],
+            (1,) * nd + tuple(n for n, _, _ in self.chunks),
+            self.decode_contexts + tuple(c for _, c, _ in self.chunks),
+            (True,) * nd + tuple(s for _, _, s in self.chunks),
+            nd,
         )
 
     @classmethod

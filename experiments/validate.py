@@ -34,7 +34,7 @@ from experiments.report_table import format_table
 from experiments.schema import register, to_object
 from sim.run import load_cost_model
 from sim.simulator import simulate
-from sim.timing import CostModelTimer
+from sim.executors import CostModelExecutor
 
 SEED_BURST = WorkloadConfig()  # WorkloadConfig's defaults are the seed's burst
 
@@ -101,7 +101,7 @@ class Row:
 def saturation_rate(cost: CostModel, scheduler: SchedulerConfig, workload: WorkloadConfig, n: int) -> float:
     """Requests/s the configuration sustains when it never waits for work: a simulated burst."""
     burst = replace(workload, arrival="burst", num_requests=n)
-    result = simulate(make_requests(generate(burst)), scheduler, lambda: CostModelTimer(cost))
+    result = simulate(make_requests(generate(burst)), scheduler, lambda: CostModelExecutor(cost))
     return result.metrics()["request_throughput_req_s"]
 
 
@@ -147,7 +147,7 @@ def validate_row(engine, cost: CostModel, row: Row) -> tuple[dict, dict]:
     real_m["memory_read_gb_s"] = memory.gb_s
     replay = [Request(r.request_id, range(r.prompt_tokens), r.output_tokens, arrival_s=r.arrival_s)
               for r in real.records]
-    sim = simulate(replay, row.scheduler, lambda: CostModelTimer(cost), keep_steps=True)
+    sim = simulate(replay, row.scheduler, lambda: CostModelExecutor(cost), keep_steps=True)
     sim_m = with_trace(sim.metrics(), sim.trace_calls(), row.scheduler.max_num_seqs)
     return real_m, sim_m
 

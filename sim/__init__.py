@@ -8,10 +8,10 @@ import numpy as np
 
 from engine.core.request import Request
 from engine.observe.workload import Workload, WorkloadConfig, generate, iter_requests, make_requests
-from sim.simulator import Simulation, SimResult, SimStep, simulate
-from sim.timing import ConstantTimer, CostModelTimer, ReplayDivergedError, ReplayTimer
+from sim.simulator import Simulation, SimResult, simulate
+from sim.executors import ConstantExecutor, CostModelExecutor, ReplayDivergedError, ReplayExecutor
 
-__all__ = ["ConstantTimer", "CostModelTimer", "ReplayDivergedError", "ReplayTimer", "SimResult", "SimStep",
+__all__ = ["ConstantExecutor", "CostModelExecutor", "ReplayDivergedError", "ReplayExecutor", "SimResult",
            "Simulation", "simulate", "workload_requests"]
 
 

@@ -44,20 +44,11 @@ class ItlSketch:
         if len(self._gaps) >= self.FLUSH_AT:
             self._flush()
 
-    def add_request(self, token_times: list[float], lane_runs: list[tuple[int, int]]) -> None:
-        """A finished request's gaps that no lane step counted: each run's first (from the token
-        before it) and every gap outside the runs."""
-        gaps = self._gaps
-        start = len(gaps)
-        i = 1
-        for first, count in lane_runs:
-            for j in range(i, first + 1):
-                gaps.append(token_times[j] - token_times[j - 1])
-            i = max(i, first + count)
-        for j in range(i, len(token_times)):
-            gaps.append(token_times[j] - token_times[j - 1])
-        self._weights += [1] * (len(gaps) - start)
-        if len(gaps) >= self.FLUSH_AT:
+    def add_gaps(self, gaps: list[float]) -> None:
+        """Single gaps (a finished request's, those no uniform step counted)."""
+        self._gaps += gaps
+        self._weights += [1] * len(gaps)
+        if len(self._gaps) >= self.FLUSH_AT:
             self._flush()
 
     def _flush(self) -> None:
@@ -139,7 +130,7 @@ class RequestLog:
         self.output.append(len(times))
         self.preemptions.append(request.num_preemptions)
         self.statuses.append(request.status.name)
-        self.itl.add_request(times, request.lane_runs)
+        self.itl.add_gaps(request.gaps_outside_lane_steps())
 
     @property
     def total_output_tokens(self) -> int:

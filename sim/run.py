@@ -15,7 +15,7 @@ from engine.observe.workload import WorkloadConfig
 from sim import workload_requests
 from sim.capacity import CapacityResult, search_capacity
 from sim.simulator import SimResult, TimeSeries, simulate
-from sim.timing import CostModelTimer
+from sim.executors import CostModelExecutor
 
 
 class MissingProfileError(ValueError):
@@ -50,7 +50,7 @@ class SimOptions:
 def run_workload(cost: CostModel, scheduler: SchedulerConfig, workload: WorkloadConfig,
                  options: SimOptions = SimOptions()) -> SimResult:
     requests, concurrency = workload_requests(workload, lazy=not options.keep_token_times)
-    return simulate(requests, scheduler, lambda: CostModelTimer(cost), concurrency=concurrency,
+    return simulate(requests, scheduler, lambda: CostModelExecutor(cost), concurrency=concurrency,
                     num_replicas=options.replicas, router=options.router, keep_steps=options.trace,
                     timeseries=options.timeseries, keep_token_times=options.keep_token_times)
 

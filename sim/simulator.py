@@ -1,18 +1,16 @@
-"""The simulator: SimPy processes around the engine's own scheduler and ServingState.
+"""The simulator: SimPy processes around the engine's own step loop (engine.core.engine_core).
 
-Each replica's engine process mirrors engine.llm_engine.Engine.run step for step: at the step's
-start ``now`` every request that has arrived is added to the state, ``plan =
-scheduler.schedule(state)``, time advances by the timer's duration, and ``state.apply(plan, None,
-start_s=now, end_s=...)`` stamps the tokens. When nothing is runnable the process sleeps on an
-event that the next delivered request fires. Arrivals come from an open-loop process (the
-workload's times) or from closed-loop clients that issue a request whenever one finishes; a
-router picks the replica for each.
+Each replica is an EngineCore with a simulated executor: at the step's start ``now`` the core
+delivers every request that has arrived, schedules and "executes" (the executor says when the
+tokens come out), SimPy time passes while the call is in flight, and the core lands the step.
+When nothing is runnable the process sleeps on an event that the next delivered request fires.
+Arrivals come from an open-loop process (the workload's times) or from closed-loop clients that
+issue a request whenever one finishes; a router picks the replica for each.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -20,23 +18,12 @@ import simpy
 from simpy.events import URGENT, Event
 
 from engine.core.config import SchedulerConfig
-from engine.core.plan import BatchPlan
+from engine.core.engine_core import EngineCore, StepRecord
 from engine.core.request import Request
-from engine.core.scheduler import make_scheduler
 from engine.core.state import ServingState
 from sim.records import RequestLog
 from sim.router import make_router
-from sim.timing import StepTimer
-
-
-@dataclass(frozen=True)
-class SimStep:
-    """One simulated model call (kept only with ``keep_steps``), like engine's StepRecord."""
-
-    plan: BatchPlan
-    start_s: float
-    end_s: float
-    replica: int = 0
+from sim.executors import SimExecutor
 
 
 @dataclass
@@ -61,7 +48,7 @@ class TimeSeries:
 @dataclass
 class SimResult:
     log: RequestLog
-    steps: list[SimStep]
+    steps: list[StepRecord]
     timeseries: TimeSeries | None
     duration_s: float
     num_steps: int
@@ -79,7 +66,7 @@ class SimResult:
 
     def trace_calls(self) -> list[tuple[str, float, float]]:
         """(label, start_s, dur_s) per model call, for engine.observe.trace.write_chrome_trace."""
-        return [(s.plan.label, s.start_s, s.end_s - s.start_s) for s in self.steps]
+        return [s.trace_call for s in self.steps]
 
 
 EARLY_DELIVERIES = 64  # requests handed to a load-blind router before they arrive
@@ -97,28 +84,30 @@ class _Delivery(Event):
 
 
 class Replica:
-    """One engine: its own scheduler and ServingState, an inbox of delivered requests."""
+    """One engine: an EngineCore and the executor that times its plans."""
 
-    def __init__(self, index: int, env: simpy.Environment, config: SchedulerConfig, timer: StepTimer,
+    def __init__(self, index: int, env: simpy.Environment, config: SchedulerConfig, executor: SimExecutor,
                  sim: Simulation) -> None:
         self.index = index
         self.env = env
-        self.timer = timer
+        self.executor = executor
         self.sim = sim
-        self.state = ServingState(config)
-        self.scheduler = make_scheduler(config)
-        self.inbox: deque[Request] = deque()
+        self.core = EngineCore(config)
         self.closed = False  # no more deliveries will come
         self._wakeup: Event | None = None
         self.num_steps = 0
         self.last_end_s = 0.0
 
     @property
+    def state(self) -> ServingState:
+        return self.core.state
+
+    @property
     def outstanding(self) -> int:
-        return len(self.inbox) + len(self.state.requests)
+        return len(self.core.arrivals) + len(self.core.state.requests)
 
     def deliver(self, request: Request) -> None:
-        self.inbox.append(request)
+        self.core.add(request)
         self._wake()
 
     def close(self) -> None:
@@ -132,46 +121,39 @@ class Replica:
 
     def run(self):
         """The engine loop (a SimPy process). Times are carried exactly in ``now``/``end``;
-        ``env.now`` only orders events. Two shortcuts, neither of which changes a step:
-        - a step that only decodes the lane (``scheduler.decodes_only``) is timed from its size
-          and applied to the lane without building its plan, unless plans are kept;
-        - in open loop, a wait that no other event falls into (``env.peek()`` is later) is not
-          yielded to SimPy: nothing could observe it."""
-        env, state, inbox, timer, sim = self.env, self.state, self.inbox, self.timer, self.sim
-        schedule, apply, add = self.scheduler.schedule, state.apply, state.add
+        ``env.now`` only orders events. In open loop, a wait that no other event falls into
+        (``env.peek()`` is later) is not yielded to SimPy: nothing could observe it."""
+        env, core, executor, sim = self.env, self.core, self.executor, self.sim
+        launch, land = core.launch, core.land
+        state, arrivals = core.state, core.arrivals
         timeout, peek = env.timeout, env.peek
         steps, series, log = sim.steps, sim.timeseries, sim.log
         kv, waiting, running, finished_list = state.kv, state.waiting, state.running, state.finished
-        lane = state.lane
-        decodes_only = self.scheduler.decodes_only if steps is None and hasattr(timer, "run_decodes") else None
-        # compact records count the gaps inside lane runs here, one number per step (see ItlSketch)
+        # compact records count the gaps of requests decoding together here, once per step
         itl = None if log.keep_token_times else log.itl
         now = env.now
         while True:
-            start = timer.start(now)
+            start = executor.start(now)
             if start > now:
                 yield timeout(start - env.now)
                 now = start
-            while inbox and inbox[0].arrival_s <= now:
-                add(inbox.popleft())
-            if decodes_only is not None and decodes_only(state):
-                plan = None
-                end, ready = timer.run_decodes(len(lane.members), lane.context_sum(), now)
-            else:
-                plan = schedule(state)
-                if plan is None:
-                    if inbox:  # delivered, but a rounding hair ahead of now
-                        later = inbox[0].arrival_s
-                        yield timeout(later - env.now)
-                        now = later
-                    elif self.closed:
-                        return
-                    else:
-                        self._wakeup = env.event()
-                        yield self._wakeup
-                        now = max(now, env.now)
-                    continue
-                end, ready = timer.run(plan, now)
+            launched = launch(now, executor)
+            if launched is None:
+                if arrivals:  # delivered, not yet arrived (or a rounding hair ahead of now)
+                    later = arrivals.next_arrival_s
+                    yield timeout(later - env.now)
+                    now = later
+                elif self.closed:
+                    return
+                else:
+                    self._wakeup = env.event()
+                    yield self._wakeup
+                    now = max(now, env.now)
+                continue
+            plan, result = launched
+            end, ready = result.end_s, result.ready_s
+            if steps is not None:
+                steps.append(StepRecord(plan.materialize(), now, end, end - now, self.index))
             if series is not None:
                 series.time_s.append(now)
                 series.replica.append(self.index)
@@ -182,14 +164,13 @@ class Replica:
             unobserved = on_finish is None and peek() > ready  # no event before the next step
             if not unobserved:
                 yield timeout(end - env.now)
-            clock = lane.clock
-            finished = state.advance_lane(None, end) if plan is None else apply(plan, None, now, end)
-            if itl is not None and lane.clock != clock and lane.last_continuing:
-                itl.add(lane.last_gap_s, lane.last_continuing)
+            finished = land(plan, result, now)
+            if itl is not None:
+                gap, count = state.last_uniform_gaps
+                if count:
+                    itl.add(gap, count)
             self.num_steps += 1
             self.last_end_s = end
-            if steps is not None:
-                steps.append(SimStep(plan, now, end, self.index))
             if finished:
                 finished_list.clear()  # the log keeps what is needed; drop the Request objects
                 for request in finished:
@@ -204,18 +185,18 @@ class Replica:
 class Simulation:
     """Wires replicas, a router and an arrival source into one SimPy environment."""
 
-    def __init__(self, config: SchedulerConfig, make_timer: Callable[[], StepTimer], num_replicas: int = 1,
+    def __init__(self, config: SchedulerConfig, make_executor: Callable[[], SimExecutor], num_replicas: int = 1,
                  router: str = "round_robin", keep_steps: bool = False, timeseries: bool = False,
                  keep_token_times: bool = True) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         self.env = simpy.Environment()
         self.router = make_router(router)
-        self.steps: list[SimStep] | None = [] if keep_steps else None
+        self.steps: list[StepRecord] | None = [] if keep_steps else None
         self.timeseries = TimeSeries() if timeseries else None
         self.log = RequestLog(keep_token_times)
         self.on_finish: Callable[[int, float], None] | None = None
-        self.replicas = [Replica(i, self.env, config, make_timer(), self) for i in range(num_replicas)]
+        self.replicas = [Replica(i, self.env, config, make_executor(), self) for i in range(num_replicas)]
 
     def _dispatch(self, request: Request) -> None:
         self.replicas[self.router.pick(self.replicas)].deliver(request)
@@ -287,7 +268,7 @@ class Simulation:
         for replica in self.replicas:
             self.env.process(replica.run())
         self.env.run()
-        stuck = [r for rep in self.replicas for r in (*rep.state.waiting, *rep.state.running, *rep.inbox)]
+        stuck = [r for rep in self.replicas for r in (*rep.state.waiting, *rep.state.running, *rep.core.arrivals)]
         if stuck:
             raise RuntimeError(f"{len(stuck)} requests were never served (e.g. {stuck[0].request_id})")
         return SimResult(
@@ -300,7 +281,7 @@ class Simulation:
         )
 
 
-def simulate(requests: Iterable[Request], config: SchedulerConfig, make_timer: Callable[[], StepTimer],
+def simulate(requests: Iterable[Request], config: SchedulerConfig, make_executor: Callable[[], SimExecutor],
              concurrency: int | None = None, **options) -> SimResult:
     """One simulated run; ``options`` are Simulation's (num_replicas, router, keep_steps, ...)."""
-    return Simulation(config, make_timer, **options).run(requests, concurrency)
+    return Simulation(config, make_executor, **options).run(requests, concurrency)

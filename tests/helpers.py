@@ -33,9 +33,10 @@ def drain(config: SchedulerConfig, requests: list[Request], check: bool = True,
     t = 0.0
     while state.has_unfinished:
         if flush_lane:
-            state.lane.flush()
+            state.decode_one_by_one()
         plan = scheduler.schedule(state)
         assert plan is not None, "work is waiting but nothing was scheduled"
+        plan.materialize()  # kept past its step
         t += 1.0
         plan.check_unique()
         if config.name == "continuous":

@@ -32,7 +32,7 @@ def feature(plan: BatchPlan, name: str) -> float:
 def hand_plan() -> BatchPlan:
     # two decodes at contexts 10 and 20; chunks: 5 tokens after 3 (no sample), a 4-token prompt
     return BatchPlan("continuous", ("a", "b", "c", "d"), (1, 1, 5, 4), (10, 20, 3, 0),
-                     (True, True, False, True), num_decodes=2)
+                     (True, True, False, True), explicit_decodes=2)
 
 
 def test_features_of_a_hand_made_mixed_plan():
@@ -51,12 +51,12 @@ def test_features_of_a_hand_made_mixed_plan():
 
 
 def test_features_of_pure_decode_and_unsampled_prefill():
-    d = BatchPlan("static", ("a", "b", "c"), (1, 1, 1), (7, 8, 9), (True,) * 3, num_decodes=3)
+    d = BatchPlan("static", ("a", "b", "c"), (1, 1, 1), (7, 8, 9), (True,) * 3, explicit_decodes=3)
     assert (feature(d, "decode_tokens"), feature(d, "decode_context"), feature(d, "prefill_tokens")) == (3, 24, 0)
     assert feature(d, "tokens@3") == 1 and feature(d, "samples@3") == 1
-    big = BatchPlan("static", tuple("abcdefghijkl"), (1,) * 12, (5,) * 12, (True,) * 12, num_decodes=12)
+    big = BatchPlan("static", tuple("abcdefghijkl"), (1,) * 12, (5,) * 12, (True,) * 12, explicit_decodes=12)
     assert feature(big, "samples@8") == pytest.approx(0.5) and feature(big, "samples@16") == pytest.approx(0.5)
-    p = BatchPlan("continuous", ("a",), (128,), (256,), (False,), num_decodes=0)
+    p = BatchPlan("continuous", ("a",), (128,), (256,), (False,), explicit_decodes=0)
     assert feature(p, "prefill_attention") == 128 * (256 + 64)
     assert feature(p, "tokens@128") == 1
     assert all(feature(p, f"samples@{k}") == 0 for k in SAMPLE_KNOTS)  # no lm_head row

@@ -187,7 +187,7 @@ def test_eos_stops_a_decoding_request_with_its_token_and_length_wins_a_tie(flush
     t = 0.0
     while state.has_unfinished:
         if flush_lane:
-            state.lane.flush()
+            state.decode_one_by_one()
         plan = scheduler.schedule(state)
         tokens = [script[rid][state.requests[rid].num_output_tokens]
                   for rid, sampled in zip(plan.request_ids, plan.samples) if sampled]

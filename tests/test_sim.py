@@ -11,8 +11,8 @@ from engine.core.config import SchedulerConfig
 from engine.core.request import Request
 from engine.observe.trace import summarize_trace, write_chrome_trace
 from engine.observe.workload import LengthDist, WorkloadConfig, generate, make_requests
-from sim import ConstantTimer, CostModelTimer, simulate, workload_requests
-from sim.timing import cost_model_from
+from sim import ConstantExecutor, CostModelExecutor, simulate, workload_requests
+from sim.executors import cost_model_from
 from sim.capacity import search_capacity
 from tests.helpers import create_requests, drain
 
@@ -24,7 +24,7 @@ SEED_CALLS = {"serial": (160, 16, 144), "static": (32, 2, 30), "continuous": (28
 @pytest.mark.parametrize("name", ["serial", "static", "continuous"])
 def test_seed_burst_call_counts_match_the_engine_through_the_trace(tmp_path, name):
     config = SchedulerConfig(name=name, max_num_seqs=8)
-    sim = simulate(create_requests(16), config, lambda: ConstantTimer(0.01), keep_steps=True)
+    sim = simulate(create_requests(16), config, lambda: ConstantExecutor(0.01), keep_steps=True)
     plans, _ = drain(config, create_requests(16))  # the pure policy the engine's loop is tested against
     assert [s.plan for s in sim.steps] == plans
     write_chrome_trace(sim.trace_calls(), tmp_path / "trace.json")
@@ -42,7 +42,7 @@ def one_request(arrival_s: float = 0.0) -> list[Request]:
 
 
 def test_one_request_constant_cost_gives_exact_metrics():
-    sim = simulate(one_request(), SchedulerConfig(name="serial"), lambda: ConstantTimer(0.1))
+    sim = simulate(one_request(), SchedulerConfig(name="serial"), lambda: ConstantExecutor(0.1))
     (rec,) = sim.records
     assert rec.token_times_s == pytest.approx((0.1, 0.2, 0.3, 0.4, 0.5), abs=1e-12)
     m = sim.metrics()
@@ -59,7 +59,7 @@ def test_one_request_constant_cost_gives_exact_metrics():
 def test_idle_engine_waits_for_the_arrival_and_cost_model_adds_overhead_between_calls():
     # call = const 0.1 s + 0.01 s per prefill token; then 0.05 s outside the call before the next step
     cost = cost_model_from(step_overhead_s=0.05, const=0.1, prefill_tokens=0.01)
-    sim = simulate(one_request(arrival_s=2.0), SchedulerConfig(name="continuous"), lambda: CostModelTimer(cost))
+    sim = simulate(one_request(arrival_s=2.0), SchedulerConfig(name="continuous"), lambda: CostModelExecutor(cost))
     (rec,) = sim.records
     # prefill 10 tokens: 0.2 s; then 4 decodes of 0.1 s, each after 0.05 s of overhead
     assert rec.first_scheduled_s == 2.0
@@ -89,7 +89,7 @@ def test_nothing_is_lost_at_any_rate(config, rate, n, seed, arrival, replicas, r
                               output=LengthDist(kind="uniform", low=1, high=24))
     requests, concurrency = workload_requests(workload)
     wanted = {r.request_id: r.max_tokens for r in requests}
-    sim = simulate(requests, config, lambda: CostModelTimer(COST),
+    sim = simulate(requests, config, lambda: CostModelExecutor(COST),
                    concurrency=concurrency, num_replicas=replicas, router=router, keep_token_times=not compact,
                    timeseries=True)
     m = sim.metrics()
@@ -122,7 +122,7 @@ def test_steps_without_plans_change_nothing(config, rate, n, seed, arrival, repl
     runs = []
     for keep_steps in (True, False):
         requests, concurrency = workload_requests(workload)
-        sim = simulate(requests, config, lambda: CostModelTimer(COST), concurrency=concurrency,
+        sim = simulate(requests, config, lambda: CostModelExecutor(COST), concurrency=concurrency,
                        num_replicas=replicas, router=router, keep_steps=keep_steps, timeseries=True)
         runs.append((sorted(sim.records, key=lambda r: r.request_id), sim.num_steps, sim.duration_s,
                      sorted(sim.timeseries.rows())))
@@ -135,8 +135,8 @@ def test_compact_records_give_the_same_metrics():
                               output=LengthDist(kind="lognormal", value=32, sigma=0.5, max=128))
     config = SchedulerConfig(name="continuous", max_num_seqs=16)
     cost = COST
-    full = simulate(make_requests(generate(workload)), config, lambda: CostModelTimer(cost)).metrics(0.5, 0.01)
-    compact = simulate(make_requests(generate(workload)), config, lambda: CostModelTimer(cost),
+    full = simulate(make_requests(generate(workload)), config, lambda: CostModelExecutor(cost)).metrics(0.5, 0.01)
+    compact = simulate(make_requests(generate(workload)), config, lambda: CostModelExecutor(cost),
                        keep_token_times=False).metrics(0.5, 0.01)
     assert full.keys() == compact.keys()
     for key, value in full.items():
@@ -152,17 +152,17 @@ def test_compact_records_give_the_same_metrics():
 def test_round_robin_alternates_and_least_outstanding_avoids_the_busy_replica():
     config = SchedulerConfig(name="serial")
     burst = [Request(f"r{i}", range(4), 3) for i in range(6)]
-    rr = simulate(burst, config, lambda: ConstantTimer(0.1), num_replicas=2, keep_steps=True)
+    rr = simulate(burst, config, lambda: ConstantExecutor(0.1), num_replicas=2, keep_steps=True)
     served_by = {s.plan.request_ids[0]: s.replica for s in rr.steps}
     assert served_by == {f"r{i}": i % 2 for i in range(6)}
     assert rr.duration_s == pytest.approx(0.9)  # 3 requests × 3 calls per replica, in parallel
     # one long request lands on replica 0; the next ones, while it runs, all go to replica 1
     # under least_outstanding but alternate under round robin
     reqs = lambda: [Request("long", range(4), 50)] + [Request(f"s{i}", range(4), 1, arrival_s=0.5 + i) for i in range(4)]  # noqa: E731
-    lo = simulate(reqs(), config, lambda: ConstantTimer(0.1), num_replicas=2, router="least_outstanding",
+    lo = simulate(reqs(), config, lambda: ConstantExecutor(0.1), num_replicas=2, router="least_outstanding",
                   keep_steps=True)
     assert {s.plan.request_ids[0]: s.replica for s in lo.steps} == {"long": 0, **{f"s{i}": 1 for i in range(4)}}
-    rr2 = simulate(reqs(), config, lambda: ConstantTimer(0.1), num_replicas=2, keep_steps=True)
+    rr2 = simulate(reqs(), config, lambda: ConstantExecutor(0.1), num_replicas=2, keep_steps=True)
     assert {s.plan.request_ids[0]: s.replica for s in rr2.steps}["s0"] == 1
     assert {s.plan.request_ids[0]: s.replica for s in rr2.steps}["s1"] == 0
     assert lo.metrics()["ttft_s"]["p99"] < rr2.metrics()["ttft_s"]["p99"]
@@ -173,7 +173,7 @@ def test_closed_loop_issues_the_next_request_when_one_finishes():
                               prompt=LengthDist(value=4), output=LengthDist(kind="fixed", value=3))
     requests, concurrency = workload_requests(workload)
     assert concurrency == 2
-    sim = simulate(requests, SchedulerConfig(name="serial"), lambda: ConstantTimer(0.1), concurrency=concurrency)
+    sim = simulate(requests, SchedulerConfig(name="serial"), lambda: ConstantExecutor(0.1), concurrency=concurrency)
     by_id = {r.request_id: r for r in sim.records}
     # serial: two clients, one engine, each request 3 calls; requests 2.. arrive as earlier ones finish
     assert [by_id[f"req-{i}"].arrival_s for i in range(6)] == pytest.approx([0, 0, 0.3, 0.6, 0.9, 1.2])
@@ -182,7 +182,7 @@ def test_closed_loop_issues_the_next_request_when_one_finishes():
 
 def serial_capacity_run(wl: WorkloadConfig) -> dict:
     requests, _ = workload_requests(wl)
-    return simulate(requests, SchedulerConfig(name="serial"), lambda: ConstantTimer(0.01),
+    return simulate(requests, SchedulerConfig(name="serial"), lambda: ConstantExecutor(0.01),
                     keep_token_times=False).metrics()
 
 
@@ -211,9 +211,9 @@ def test_capacity_search_edges_and_bad_arguments():
 
 def test_impossible_request_fails_up_front():
     with pytest.raises(ValueError, match="max_model_len"):
-        simulate([Request("huge", range(3000), 10)], SchedulerConfig(), lambda: ConstantTimer(0.1))
+        simulate([Request("huge", range(3000), 10)], SchedulerConfig(), lambda: ConstantExecutor(0.1))
     assert math.isnan(simulate([Request("x", range(3), 1)], SchedulerConfig(),
-                               lambda: ConstantTimer(0.1)).metrics()["tpot_s"]["p50"])
+                               lambda: ConstantExecutor(0.1)).metrics()["tpot_s"]["p50"])
 
 
 def test_lazy_source_frees_finished_requests_and_matches_the_list_run():
@@ -232,14 +232,14 @@ def test_lazy_source_frees_finished_requests_and_matches_the_list_run():
             refs.append(weakref.ref(request))
             yield request
 
-    lazy = simulate(source(), config, lambda: CostModelTimer(cost), keep_token_times=False)
+    lazy = simulate(source(), config, lambda: CostModelExecutor(cost), keep_token_times=False)
     gc.collect()
     assert len(refs) == 200 and all(ref() is None for ref in refs)  # nothing per-token survives a request
-    listed = simulate(make_requests(generate(workload)), config, lambda: CostModelTimer(cost), keep_token_times=False)
+    listed = simulate(make_requests(generate(workload)), config, lambda: CostModelExecutor(cost), keep_token_times=False)
     assert lazy.metrics() == listed.metrics()
 
 
 def test_lazy_source_out_of_arrival_order_is_an_error():
     late_then_early = iter([Request("a", range(4), 2, arrival_s=1.0), Request("b", range(4), 2, arrival_s=0.5)])
     with pytest.raises(ValueError, match="arrival order"):
-        simulate(late_then_early, SchedulerConfig(), lambda: ConstantTimer(0.1))
+        simulate(late_then_early, SchedulerConfig(), lambda: ConstantExecutor(0.1))

@@ -18,7 +18,7 @@ from engine.observe.trace import summarize_trace
 from experiments.schema import to_object
 from experiments.simulate import SimulateApp, run_app
 from sim.run import MissingProfileError
-from sim.timing import cost_model_from
+from sim.executors import cost_model_from
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 

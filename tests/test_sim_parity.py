@@ -9,8 +9,8 @@ from engine.core.config import ModelConfig, SchedulerConfig
 from engine.llm_engine import Engine
 from engine.model.runner import ModelRunner
 from engine.observe.workload import LengthDist, WorkloadConfig, generate, make_requests
-from sim import CostModelTimer, ReplayDivergedError, ReplayTimer, simulate
-from sim.timing import cost_model_from
+from sim import CostModelExecutor, ReplayDivergedError, ReplayExecutor, simulate
+from sim.executors import cost_model_from
 
 POISSON = WorkloadConfig(arrival="poisson", num_requests=24, rate=50.0, seed=3,
                          prompt=LengthDist(kind="uniform", low=4, high=40),
@@ -48,7 +48,7 @@ def real_run():
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_replaying_measured_steps_reproduces_plans_and_token_times(real_run, name):
     real = real_run(name, POISSON)
-    sim = simulate(make_requests(generate(POISSON)), CONFIGS[name], lambda: ReplayTimer(real.steps), keep_steps=True)
+    sim = simulate(make_requests(generate(POISSON)), CONFIGS[name], lambda: ReplayExecutor(real.steps), keep_steps=True)
     assert [s.plan for s in sim.steps] == [s.plan for s in real.steps]
     assert [(s.start_s, s.end_s) for s in sim.steps] == [(s.start_s, s.end_s) for s in real.steps]
     real_by_id = {r.request_id: r for r in real.records}
@@ -77,7 +77,7 @@ def test_cost_model_gives_the_real_plans_for_a_burst(real_run, name):
     real = real_run(name, workload)
     cost = cost_model_from(step_overhead_s=2e-4, const=1e-3, prefill_tokens=2e-6, decode_tokens=3e-5,
                            decode_context=1e-8, prefill_attention=1e-9, num_requests=1e-6)
-    sim = simulate(make_requests(generate(workload)), CONFIGS[name], lambda: CostModelTimer(cost), keep_steps=True)
+    sim = simulate(make_requests(generate(workload)), CONFIGS[name], lambda: CostModelExecutor(cost), keep_steps=True)
     assert [s.plan for s in sim.steps] == [s.plan for s in real.steps]
     # and the simulated clock is the cost model's: each call lasts predict(plan)
     for s in sim.steps:
@@ -89,4 +89,4 @@ def test_replay_reports_where_a_run_diverges(real_run):
     real = real_run("continuous", BURST)
     other = replace(CONFIGS["continuous"], max_num_seqs=3)
     with pytest.raises(ReplayDivergedError, match="step 1:"):
-        simulate(make_requests(generate(BURST)), other, lambda: ReplayTimer(real.steps))
+        simulate(make_requests(generate(BURST)), other, lambda: ReplayExecutor(real.steps))

@@ -1,26 +1,57 @@
-"""Requests that have not arrived yet, released in arrival order by whichever clock drives the run."""
+"""Requests accepted but not yet arrived, released in arrival order by whichever clock drives the run."""
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from engine.core.request import Request
 
+ARRIVAL = lambda r: r.arrival_s  # noqa: E731
+
 
 class ArrivalQueue:
-    def __init__(self, requests: Iterable[Request]) -> None:
-        self._pending = deque(sorted(requests, key=lambda r: r.arrival_s))
+    def __init__(self, requests: Iterable[Request] = ()) -> None:
+        self._pending = deque(sorted(requests, key=ARRIVAL))
+        self._ids = {r.request_id for r in self._pending}
 
     def __len__(self) -> int:
         return len(self._pending)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._pending)
 
     @property
     def next_arrival_s(self) -> float | None:
         return self._pending[0].arrival_s if self._pending else None
 
+    def push(self, request: Request) -> None:
+        """Add one; in order (the usual case) this is an append."""
+        self._ids.add(request.request_id)
+        pending = self._pending
+        if not pending or pending[-1].arrival_s <= request.arrival_s:
+            pending.append(request)
+        else:
+            items = list(pending)
+            insort(items, request, key=ARRIVAL)
+            self._pending = deque(items)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._ids
+
+    def remove(self, request_id: str) -> Request | None:
+        if request_id not in self._ids:
+            return None
+        request = next(r for r in self._pending if r.request_id == request_id)
+        self._pending.remove(request)
+        self._ids.discard(request_id)
+        return request
+
     def pop_due(self, now_s: float) -> list[Request]:
         due = []
-        while self._pending and self._pending[0].arrival_s <= now_s:
-            due.append(self._pending.popleft())
+        pending = self._pending
+        while pending and pending[0].arrival_s <= now_s:
+            due.append(pending.popleft())
+        self._ids.difference_update(r.request_id for r in due)
         return due

@@ -12,6 +12,7 @@ finishes, is preempted or aborted, or when a step does not decode every member.
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Callable
 from operator import attrgetter
 
 from engine.core.request import Request
@@ -37,7 +38,7 @@ class DecodeLane:
         self._block_at: dict[int, list[Request]] = {}  # clock at which a member has filled its blocks
         self._block_due: dict[Request, int] = {}  # the same, by member
         self._compact_at = COMPACT_EVERY
-        self._snapshot: tuple[int, int] | None = None  # (version, clock) of the last decode_part
+        self._snapshot: tuple[int, int] | None = None  # (version, clock) of the last part_reader
         self._num_joined_now = 0  # members that joined since the last advance
         # the last advance: members whose previous token came from the advance before, and the gap
         self.last_continuing = 0
@@ -127,19 +128,28 @@ class DecodeLane:
             for request in filed:
                 self._block_due[request] = due
 
-    def decode_part(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
-        """(request ids, contexts) of a step that decodes every member, in running order."""
-        self._snapshot = (self._version, self.clock)
-        clock = self.clock
-        return tuple(self._ids), tuple([offset + clock for offset in self._offsets])
-
     def context_sum(self) -> int:
         """Σ contexts of a step that decodes every member (what decode attention reads)."""
         return self._offset_sum + len(self.members) * self.clock
 
-    def planned(self, num_decodes: int) -> bool:
-        """Whether a plan's first ``num_decodes`` entries are exactly the members now."""
-        return num_decodes == len(self.members) > 0 and self._snapshot == (self._version, self.clock)
+    def part_reader(self) -> Callable[[], tuple[tuple[str, ...], tuple[int, ...]]]:
+        """A function giving (request ids, contexts) of the step that decodes every member now, in
+        running order; it refuses to answer once the lane has moved on (the step was applied)."""
+        snapshot = (self._version, self.clock)
+
+        def read() -> tuple[tuple[str, ...], tuple[int, ...]]:
+            if (self._version, self.clock) != snapshot:
+                raise RuntimeError("a plan's lane part was read after its step was applied; "
+                                   "materialize() kept plans before applying them")
+            clock = self.clock
+            return tuple(self._ids), tuple([offset + clock for offset in self._offsets])
+
+        self._snapshot = snapshot
+        return read
+
+    def is_current(self) -> bool:
+        """Whether the last part_reader() still describes the members (nothing joined, left or moved)."""
+        return self._snapshot == (self._version, self.clock)
 
     def advance(self, end_s: float) -> list[Request]:
         """Every member got one token at ``end_s``; returns those that reached max_tokens (still

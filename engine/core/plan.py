@@ -1,94 +1,172 @@
-"""What a scheduler asks for in one model call, and what the call gives back."""
+"""What a scheduler asks for in one model call, and what executing it gives back."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+LaneIds = Callable[[], tuple[tuple[str, ...], tuple[int, ...]]]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class BatchPlan:
-    """One model call: ``{request_id: num_scheduled_tokens}`` plus the context each starts from.
+    """One model call: which requests run, how many tokens each, from which context.
 
-    Entries are ordered decodes first, then prefill chunks. Parallel tuples rather than one
-    object per entry keep the simulator fast; everything else is derived.
-    ``samples[i]`` says whether entry i reaches the end of its sequence and so yields a token.
-    A request appearing twice is caught where it would do harm (``ModelRunner.execute``, and
-    the scheduler tests on every plan), not here: the simulator builds millions of plans.
+    Entries are ordered decodes first, then prefill chunks. A plan has two parts:
+    - the decode lane's part (``lane_size`` > 0): every lane member decodes one token, in running
+      order. It is *counted* (``lane_size``, ``lane_context_sum``), not listed: the simulator times
+      it from those two numbers, and its ids are read from the lane only when an executor asks
+      (``request_ids`` and friends), which must happen before the step is applied;
+    - explicit entries (``ids``, ``tokens``, ``contexts``, ``sampled``), of which the first
+      ``explicit_decodes`` are decodes of requests outside the lane.
+    A request appearing twice is caught where it would do harm (``ModelRunner.execute``, and the
+    scheduler tests on every plan), not here: the simulator builds millions of plans.
     """
 
     scheduler: str
-    request_ids: tuple[str, ...]
-    num_tokens: tuple[int, ...]
-    context_lens: tuple[int, ...]
-    samples: tuple[bool, ...]
-    num_decodes: int
+    ids: tuple[str, ...] = ()
+    tokens: tuple[int, ...] = ()
+    contexts: tuple[int, ...] = ()
+    sampled: tuple[bool, ...] = ()
+    explicit_decodes: int = 0
     preempted_ids: tuple[str, ...] = ()
+    lane_size: int = 0
+    lane_context_sum: int = 0
+    lane_ids: LaneIds | None = field(default=None, repr=False)  # the lane part's (ids, contexts), while current
+    _lane_part: tuple[tuple[str, ...], tuple[int, ...]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        n = len(self.request_ids)
-        if not (len(self.num_tokens) == len(self.context_lens) == len(self.samples) == n):
+        if self.lane_size and self.lane_ids is None:
+            raise ValueError("a plan with a lane part needs the lane's ids")
+        if not self.ids and not self.tokens and not self.contexts and not self.sampled:  # lane only
+            if not self.lane_size:
+                raise ValueError("BatchPlan must schedule at least one request")
+            return
+        for name in ("ids", "tokens", "contexts", "sampled"):
+            if type(getattr(self, name)) is not tuple:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        n = len(self.ids)
+        if not (len(self.tokens) == len(self.contexts) == len(self.sampled) == n):
             raise ValueError("BatchPlan fields must have one entry per request")
-        if n == 0:
-            raise ValueError("BatchPlan must schedule at least one request")
-        if not 0 <= self.num_decodes <= n:
-            raise ValueError("num_decodes out of range")
+        if not 0 <= self.explicit_decodes <= n:
+            raise ValueError("explicit_decodes out of range")
 
-    def check_unique(self) -> None:
-        if len(set(self.request_ids)) != len(self.request_ids):
-            raise ValueError(f"a request appears twice in one BatchPlan: {self.request_ids}")
+    @classmethod
+    def of(cls, scheduler: str, request_ids, num_tokens, context_lens, samples, num_decodes: int,
+           preempted_ids: tuple[str, ...] = ()) -> BatchPlan:
+        """A plan listed entry by entry (no lane part)."""
+        return cls(scheduler, tuple(request_ids), tuple(num_tokens), tuple(context_lens), tuple(samples),
+                   num_decodes, tuple(preempted_ids))
+
+    # --- the lane part, listed on demand -------------------------------------------------------
+    def _lane(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        part = self._lane_part
+        if part is None:
+            part = self.lane_ids() if self.lane_size else ((), ())
+            object.__setattr__(self, "_lane_part", part)
+        return part
+
+    def materialize(self) -> BatchPlan:
+        """List the lane part now (while the lane still holds this step), so the plan can be
+        read after the step is applied: kept plans (traces, replays) are materialised."""
+        self._lane()
+        return self
 
     @property
-    def num_scheduled_tokens(self) -> Mapping[str, int]:
-        return dict(zip(self.request_ids, self.num_tokens))
+    def request_ids(self) -> tuple[str, ...]:
+        return self._lane()[0] + self.ids
+
+    @property
+    def num_tokens(self) -> tuple[int, ...]:
+        return (1,) * self.lane_size + self.tokens
+
+    @property
+    def context_lens(self) -> tuple[int, ...]:
+        return self._lane()[1] + self.contexts
+
+    @property
+    def samples(self) -> tuple[bool, ...]:
+        return (True,) * self.lane_size + self.sampled
+
+    # --- counts, without listing the lane ------------------------------------------------------
+    @property
+    def num_decodes(self) -> int:
+        return self.lane_size + self.explicit_decodes
 
     @property
     def num_requests(self) -> int:
-        return len(self.request_ids)
+        return self.lane_size + len(self.ids)
 
     @property
     def num_prefills(self) -> int:
-        return len(self.request_ids) - self.num_decodes
+        return len(self.ids) - self.explicit_decodes
 
     @property
     def total_tokens(self) -> int:
-        return sum(self.num_tokens)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(self.num_tokens[self.num_decodes:])
-
-    @property
-    def decode_ids(self) -> tuple[str, ...]:
-        return self.request_ids[:self.num_decodes]
-
-    @property
-    def prefill_ids(self) -> tuple[str, ...]:
-        return self.request_ids[self.num_decodes:]
+        return self.lane_size + sum(self.tokens)
 
     @property
     def num_samples(self) -> int:
-        return sum(self.samples)
+        return self.lane_size + sum(self.sampled)
+
+    @property
+    def decode_context_sum(self) -> int:
+        """Σ contexts of the decodes: the KV that decode attention reads."""
+        return self.lane_context_sum + sum(self.contexts[:self.explicit_decodes])
+
+    @property
+    def prefill_chunks(self) -> tuple[tuple[int, int], ...]:
+        """(tokens, prior context) of each prefill chunk."""
+        d = self.explicit_decodes
+        return tuple(zip(self.tokens[d:], self.contexts[d:]))
 
     @property
     def phase(self) -> str:
         """'prefill', 'decode' or 'mixed' — serial and static calls are never mixed."""
-        if self.num_decodes == len(self.request_ids):
+        if self.num_prefills == 0:
             return "decode"
         return "prefill" if self.num_decodes == 0 else "mixed"
 
     @property
+    def label_fields(self) -> dict[str, int]:
+        """What the trace label says, as numbers (engine.observe.trace reads them back)."""
+        return {"active": self.num_requests, "decode": self.num_decodes, "prefill": self.num_prefills,
+                "tokens": self.total_tokens}
+
+    @property
     def label(self) -> str:
-        """The trace region name, as in the seed's profiles."""
+        """The trace region name, as in the seed's profiles: a continuous step names its mix, a
+        serial or static call its phase and batch."""
         if self.scheduler == "continuous":
-            return (f"miniserve.continuous.step active={self.num_requests} decode={self.num_decodes} "
-                    f"prefill={self.num_prefills} tokens={self.total_tokens}")
+            f = self.label_fields
+            return (f"miniserve.continuous.step active={f['active']} decode={f['decode']} "
+                    f"prefill={f['prefill']} tokens={f['tokens']}")
         return f"miniserve.{self.scheduler}.{self.phase} batch={self.num_requests}"
 
+    def check_unique(self) -> None:
+        ids = self.request_ids
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"a request appears twice in one BatchPlan: {ids}")
 
-@dataclass(frozen=True)
-class StepResult:
-    """What executing a plan produced: one token per sampling entry, and how long it took."""
+    def _key(self) -> tuple:
+        return (self.scheduler, self.request_ids, self.num_tokens, self.context_lens, self.samples,
+                self.num_decodes, self.preempted_ids)
+
+    def __eq__(self, other: object) -> bool:
+        """Plans are equal when they ask for the same call, however their decodes are carried."""
+        if not isinstance(other, BatchPlan):
+            return NotImplemented
+        return self._key() == other._key()
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class StepResult(NamedTuple):
+    """What executing a plan produced: one token per sampling entry (None in simulation), how
+    long the model call took, when its tokens came out and when the next step may start."""
 
     token_ids: tuple[int, ...] | None
     duration_s: float
+    end_s: float = 0.0
+    ready_s: float = 0.0

@@ -131,6 +131,19 @@ class Request:
         if token_id is not None:
             self.output_token_ids.append(token_id)
 
+    def gaps_outside_lane_steps(self) -> list[float]:
+        """Inter-token gaps that no step reported as uniform (``ServingState.last_uniform_gaps``):
+        the first gap of each stay in the decode lane (from the token before it) and every gap
+        outside one. Together with the uniform gaps they are every gap exactly once."""
+        times = self._times if self.lane is None else self.token_times_s
+        gaps = []
+        i = 1
+        for first, count in self.lane_runs:
+            gaps += [times[j] - times[j - 1] for j in range(i, first + 1)]
+            i = max(i, first + count)
+        gaps += [times[j] - times[j - 1] for j in range(i, len(times))]
+        return gaps
+
     def stop_reason(self) -> RequestStatus | None:
         """The finished status this request has reached, if any."""
         if self.num_output_tokens >= self.max_tokens:

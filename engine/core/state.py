@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from engine.core.config import SchedulerConfig
 from engine.core.lane import BY_ADMISSION, DecodeLane
-from engine.core.plan import BatchPlan
+from engine.core.plan import BatchPlan, LaneIds
 from engine.core.request import Request, RequestStatus
 
 
@@ -59,8 +59,9 @@ class KVBlockPool:
 class ServingState:
     """Waiting, running and finished requests. Schedulers read and admit; ``apply`` advances.
 
-    Running requests that decode sit in ``lane`` as well (see engine/core/lane.py): a step whose plan
-    decodes every lane member advances them all at once.
+    Between steps, every running request that decodes sits in ``lane`` (engine/core/lane.py), which
+    advances them together in O(1) when a step decodes them all (``decode_together``). Only this
+    class touches the lane: schedulers ask for the decodes together or one by one.
     """
 
     def __init__(self, config: SchedulerConfig) -> None:
@@ -72,6 +73,7 @@ class ServingState:
         self.requests: dict[str, Request] = {}  # every request not yet finished, by id
         self.lane = DecodeLane(config.block_size)
         self._num_admitted = 0
+        self._released: list[str] = []
 
     # --- arrivals ------------------------------------------------------------------------------
     def validate(self, request: Request) -> None:
@@ -109,14 +111,29 @@ class ServingState:
         request.admit_seq = self._num_admitted
         self.running.append(request)
 
-    def grow_lane(self) -> bool:
-        """KV for one more token of every lane member, or False (and no change) if blocks are short."""
-        needing = self.lane.needing_block()  # their blocks are full: the next token takes one more each
+    # --- the decoding requests: together (the lane) or one by one -------------------------------
+    @property
+    def num_decoding(self) -> int:
+        """Running requests that decode together this step (between steps: every decoding request)."""
+        return len(self.lane.members)
+
+    def decode_together(self) -> tuple[int, int, LaneIds] | None:
+        """Reserve KV for one more token of every decoding request and describe that part of the
+        step: (count, Σ contexts, their ids on demand). None, and nothing reserved, if blocks are
+        short. O(1) whatever the count: the simulator's common step."""
+        lane = self.lane
+        if not lane.members:
+            return None
+        needing = lane.needing_block()  # their blocks are full: the next token takes one more each
         if needing:
             if not self.kv.add_block_each([r.request_id for r in needing]):
-                return False
-            self.lane.got_block()
-        return True
+                return None
+            lane.got_block()
+        return len(lane.members), lane.context_sum(), lane.part_reader()
+
+    def decode_one_by_one(self) -> None:
+        """This step treats each decoding request on its own (a budget or block shortage)."""
+        self.lane.flush()
 
     def preempt(self, request: Request) -> None:
         """Free the request's KV and put it back at the head of the queue to recompute later."""
@@ -128,6 +145,7 @@ class ServingState:
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
+        self._released.append(request.request_id)
 
     def abort(self, request_id: str, now_s: float) -> Request | None:
         """Cancel a request wherever it is; its blocks are free at once."""
@@ -149,19 +167,23 @@ class ServingState:
         Returns the requests that finished in this step, in plan order.
         """
         lane = self.lane
-        if lane.planned(plan.num_decodes):
-            first = plan.num_decodes  # plan entries before this were the lane's
-            finished = self.advance_lane(token_ids, end_s)
-        else:  # request by request (lane.flush() wrote the members' progress back)
-            first = 0
+        together = plan.lane_size > 0 and lane.is_current()
+        if together:
+            finished = self._advance_lane(token_ids, end_s)
+            if not plan.ids:  # the lane was the whole plan
+                return finished
+            entries = zip(plan.ids, plan.tokens, plan.sampled)
+            k = plan.lane_size
+        else:  # request by request (a flushed lane writes the members' progress back); also a plan
+            # whose decodes-together lost a member to an abort while the call ran
             finished = []
             lane.flush()
-        if first == len(plan.request_ids):  # the lane was the whole plan
-            return finished
+            lane.last_continuing = 0
+            entries = zip(plan.request_ids, plan.num_tokens, plan.samples)
+            k = 0
         requests = self.requests
         joining: list[Request] = []
-        k = first
-        for request_id, n, sampled in zip(plan.request_ids[first:], plan.num_tokens[first:], plan.samples[first:]):
+        for request_id, n, sampled in entries:
             request = requests.get(request_id)
             if request is None:  # aborted while the call ran
                 k += sampled
@@ -180,14 +202,32 @@ class ServingState:
                     continue
             if request.is_decoding:  # sampled, or recomputed up to its newest token
                 joining.append(request)
-        if not first:  # decoders the plan left out (budget or preemption) rejoin as well
+        if not together:  # decoders the plan left out (budget or preemption) rejoin as well
             joining = [r for r in self.running if r.is_decoding]
         held = self.kv.held
         for request in joining:
             lane.join(request, held[request.request_id])
         return finished
 
-    def advance_lane(self, token_ids: Sequence[int] | None, end_s: float) -> list[Request]:
+    @property
+    def last_uniform_gaps(self) -> tuple[float, int]:
+        """(gap, count): in the last applied step, ``count`` requests that decoded together in the
+        step before too got their token ``gap`` seconds after their previous one. Compact
+        records count those gaps here, once per step, instead of once per token."""
+        lane = self.lane
+        return lane.last_gap_s, lane.last_continuing
+
+    @property
+    def has_released(self) -> bool:
+        return bool(self._released)
+
+    def take_released(self) -> tuple[str, ...]:
+        """Requests whose KV the executor should free: finished, aborted or preempted since the
+        last call."""
+        released, self._released = tuple(self._released), []
+        return released
+
+    def _advance_lane(self, token_ids: Sequence[int] | None, end_s: float) -> list[Request]:
         """Every lane member got one token at ``end_s`` (values first in ``token_ids``, in real
         runs); returns those that finished, in running order."""
         lane = self.lane
@@ -214,6 +254,7 @@ class ServingState:
         request.status = status
         request.finished_s = now_s
         self.kv.release(request.request_id)
+        self._released.append(request.request_id)
         del self.requests[request.request_id]
         self.finished.append(request)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -41,6 +41,7 @@ class ModelRunner:
         self.greedy = kernels.argmax_rows(self.model.dtype) or _torch_greedy
         self._free_slots = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
+        self.clock: Callable[[], float] = time.perf_counter  # what a step's end is stamped with
 
     @property
     def num_slots_used(self) -> int:
@@ -63,10 +64,11 @@ class ModelRunner:
         return slot
 
     @torch.inference_mode()
-    def execute(self, plan: BatchPlan, requests: Mapping[str, Request], *,
+    def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float | None = None, *,
                 return_logits: bool = False) -> StepResult | tuple[StepResult, torch.Tensor]:
+        """The executor of real runs (engine.core.engine_core.Executor): one packed forward pass,
+        greedy sampling; its tokens come out at ``self.clock()`` after the call."""
         plan.check_unique()  # two entries of one request would write the same KV slot
-        self.free(plan.preempted_ids)
         token_ids: list[int] = []
         sample_rows: list[int] = []
         slots: list[int] = []
@@ -95,5 +97,6 @@ class ModelRunner:
                 ).logits[0]
             next_tokens = self.greedy(logits.contiguous())
         duration = time.perf_counter() - start
-        result = StepResult(token_ids=tuple(next_tokens.tolist()), duration_s=duration)
+        end = self.clock()
+        result = StepResult(tuple(next_tokens.tolist()), duration, end, end)
         return (result, logits.float()) if return_logits else result

@@ -168,13 +168,16 @@ class EngineThread:
         self.ready.set()
         log.info("engine ready: scheduler=%s max_num_seqs=%d", cfg.name, cfg.max_num_seqs)
         try:
-            while self._drain(block=not self.engine.core.state.has_unfinished):
-                if self.engine.core.state.has_unfinished:
-                    self._step()
+            while self._drain(block=not self._has_work()):
+                self._step()  # also with nothing to run: the step hands the runner what was released
         except Exception as exc:  # noqa: BLE001 - a bug in the loop must not hang clients
             log.exception("engine loop failed")
             self.error = f"engine loop failed: {exc}"
         self._cancel_all("server shutting down" if self.error is None else self.error)
+
+    def _has_work(self) -> bool:
+        core = self.engine.core
+        return core.has_unfinished or core.state.has_released
 
     def _drain(self, block: bool) -> bool:
         """Apply every pending arrival and cancellation; False once asked to stop."""
@@ -218,10 +221,14 @@ class EngineThread:
 
     def _step(self) -> None:
         engine = self.engine
-        record = engine.step(clock(), clock)
-        if record is None:  # unfinished work that cannot run yet; wait for the inbox
-            time.sleep(0.001)
+        done = engine.step(clock())
+        if done is None:  # nothing runnable; wait for the inbox
+            if self.engine.core.has_unfinished:
+                time.sleep(0.001)
+            with self._lock:
+                self._publish_gauges()
             return
+        record = done[0]
         stats = self.stats
         stats.step_s.observe(record.end_s - record.start_s)
         stats.model_s.observe(record.model_s)

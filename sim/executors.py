@@ -1,17 +1,20 @@
-"""How long a step takes in simulation: the one place a simulated run differs from a real one.
+"""Simulated executors: how long a plan would take. The executor is the one place a simulated run
+differs from a real one (engine.core.engine_core.Executor; the real one is ModelRunner).
 
-A timer answers two questions per step: when does the step that the engine is ready to start at
-``now`` really start (a replay of a real run may have started it later), and, given its plan,
-when do its tokens come out and when can the next step begin.
+A simulated executor answers two questions per step: when does the step that the engine is ready
+to start at ``now`` really start (a replay of a real run may have started it later), and, given its
+plan, when do its tokens come out and when can the next step begin. It never reads a plan's
+request ids (a replay compares them), so the decodes a plan carries together stay counted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from calibration.cost_model import FEATURES, CostModel
-from engine.core.plan import BatchPlan
+from engine.core.plan import BatchPlan, StepResult
+from engine.core.request import Request
 
 
 def cost_model_from(step_overhead_s: float = 0.0, fingerprint: str | None = None, **coefficients: float) -> CostModel:
@@ -24,78 +27,72 @@ def cost_model_from(step_overhead_s: float = 0.0, fingerprint: str | None = None
                      fingerprint=fingerprint)
 
 
-class StepTimer(Protocol):
+class SimExecutor(Protocol):
     def start(self, now: float) -> float:
         """When the next step starts, given that the engine is free from ``now``."""
 
-    def run(self, plan: BatchPlan, start_s: float) -> tuple[float, float]:
-        """``(end_s, ready_s)``: tokens come out at ``end_s``; the next step may start at ``ready_s``."""
+    def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:
+        """No tokens; the call's duration, when its tokens come out and when the next step may start."""
+
+    def free(self, request_ids: Iterable[str]) -> None:
+        """Nothing is held in simulation."""
 
 
-class DecodeStepTimer(StepTimer, Protocol):
-    """A timer that can also time a step that only decodes, from its size alone: the simulator
-    then runs such steps without building their plans (a replay, which checks plans, cannot)."""
-
-    def run_decodes(self, num_decodes: int, context_sum: int, start_s: float) -> tuple[float, float]:
-        """``run`` of the plan that decodes ``num_decodes`` requests whose contexts sum to ``context_sum``."""
-
-
-class CostModelTimer:
+class CostModelExecutor:
     """The model call takes ``predict(plan)``; then ``step_overhead_s`` passes outside the call
     (sampling, bookkeeping, scheduling the next step) before the next step can start."""
 
     def __init__(self, cost_model: CostModel) -> None:
         self.cost_model = cost_model
         self._predict = cost_model.predict
-        self._predict_decodes = cost_model.predict_decodes
         self._overhead = cost_model.step_overhead_s
 
     def start(self, now: float) -> float:
         return now
 
-    def run(self, plan: BatchPlan, start_s: float) -> tuple[float, float]:
-        end = start_s + self._predict(plan)
-        return end, end + self._overhead
+    def free(self, request_ids: Iterable[str]) -> None:
+        pass
 
-    def run_decodes(self, num_decodes: int, context_sum: int, start_s: float) -> tuple[float, float]:
-        end = start_s + self._predict_decodes(num_decodes, context_sum)
-        return end, end + self._overhead
+    def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:
+        duration = self._predict(plan)
+        end = start_s + duration
+        return StepResult(None, duration, end, end + self._overhead)
 
 
 class ReplayDivergedError(RuntimeError):
     """The simulation scheduled something the replayed real run did not."""
 
 
-class ReplayTimer:
+class ReplayExecutor:
     """Replays a real run's measured steps: step i starts at the recorded ``start_s`` (or when the
     engine is free, if later) and its tokens come out at the recorded ``end_s``. With the same
     arrivals this reproduces the run's plans and token timestamps exactly; ``expect_plans``
     makes any divergence an error at the step where it happens."""
 
     def __init__(self, steps: Sequence, expect_plans: bool = True) -> None:
-        self.steps = list(steps)  # engine.llm_engine.StepRecord or anything with plan/start_s/end_s
+        self.steps = list(steps)  # engine.core.engine_core.StepRecord or anything with plan/start_s/end_s
         self.expect_plans = expect_plans
         self.index = 0
 
-    def _next(self):
-        if self.index >= len(self.steps):
-            raise ReplayDivergedError(f"the simulation needs more than the {len(self.steps)} recorded steps")
-        return self.steps[self.index]
+    def free(self, request_ids: Iterable[str]) -> None:
+        pass
 
     def start(self, now: float) -> float:
-        if self.index >= len(self.steps):  # the run is over (or about to diverge, which run() reports)
+        if self.index >= len(self.steps):  # the run is over (or about to diverge, which execute() reports)
             return now
         return max(now, self.steps[self.index].start_s)
 
-    def run(self, plan: BatchPlan, start_s: float) -> tuple[float, float]:
-        record = self._next()
+    def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:
+        if self.index >= len(self.steps):
+            raise ReplayDivergedError(f"the simulation needs more than the {len(self.steps)} recorded steps")
+        record = self.steps[self.index]
         if self.expect_plans and plan != record.plan:
             raise ReplayDivergedError(f"step {self.index}: simulated plan {plan} != recorded {record.plan}")
         self.index += 1
-        return record.end_s, record.end_s
+        return StepResult(None, record.end_s - start_s, record.end_s, record.end_s)
 
 
-class ConstantTimer:
+class ConstantExecutor:
     """Every model call takes ``call_s``, plus ``overhead_s`` between steps: hand-computable runs."""
 
     def __init__(self, call_s: float, overhead_s: float = 0.0) -> None:
@@ -105,10 +102,9 @@ class ConstantTimer:
     def start(self, now: float) -> float:
         return now
 
-    def run(self, plan: BatchPlan, start_s: float) -> tuple[float, float]:
-        end = start_s + self.call_s
-        return end, end + self.overhead_s
+    def free(self, request_ids: Iterable[str]) -> None:
+        pass
 
-    def run_decodes(self, num_decodes: int, context_sum: int, start_s: float) -> tuple[float, float]:
+    def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:
         end = start_s + self.call_s
-        return end, end + self.overhead_s
+        return StepResult(None, self.call_s, end, end + self.overhead_s)

@@ -1,0 +1,112 @@
+"""The one step loop: deliver arrivals → schedule → execute → apply (and free what is released).
+
+The wall-clock engine (engine/llm_engine.py), the HTTP engine thread (engine/serving) and every
+simulated replica (sim/simulator.py) drive this class; they differ only in the executor they
+pass and in the clock that says ``now``. KV is freed in one place: each launch hands the executor
+the requests that finished, were aborted or preempted since the last one (vLLM's SchedulerOutput
+carries the same ids). The executor is the one seam between real and
+simulated runs: ``ModelRunner`` runs the plan on the model, a simulated executor says how long it
+would have taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.core.arrivals import ArrivalQueue
+from engine.core.config import SchedulerConfig
+from engine.core.plan import BatchPlan, StepResult
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler, make_scheduler
+from engine.core.state import ServingState
+
+
+class Executor(Protocol):
+    def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:
+        """Run ``plan``: its sampled tokens (None in simulation), the call's duration, when its
+        tokens came out and when the next step may start."""
+
+    def free(self, request_ids: Iterable[str]) -> None:
+        """Forget the KV of requests that finished, were aborted or preempted."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One iteration as traces and replays keep it: the plan, when it started (arrivals admitted
+    up to then), when its tokens came out, how much of that was the model call, which replica."""
+
+    plan: BatchPlan
+    start_s: float
+    end_s: float
+    model_s: float
+    replica: int = 0
+
+    @property
+    def trace_call(self) -> tuple[str, float, float]:
+        """(label, start_s, dur_s) of the model call, for engine.observe.trace.write_chrome_trace."""
+        return self.plan.label, self.end_s - self.model_s, self.model_s
+
+
+class EngineCore:
+    """A scheduler and its serving state, stepped by whoever owns the clock.
+
+    ``launch`` and ``land`` are the two halves of ``step``: a simulator lets simulated time pass
+    between them (the call is in flight); everyone else calls ``step``.
+    """
+
+    def __init__(self, config: SchedulerConfig, scheduler: Scheduler | None = None) -> None:
+        self.config = config
+        self.scheduler = scheduler or make_scheduler(config)
+        self.state = ServingState(config)
+        self.arrivals = ArrivalQueue(())
+
+    # --- requests ------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Accept a request (it joins the state at the first step at or after its ``arrival_s``);
+        one that could never run here is refused with a ValueError and nothing changes."""
+        if self.arrivals.holds(request.request_id):
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        self.state.validate(request)
+        self.arrivals.push(request)
+
+    def abort(self, request_id: str, now_s: float) -> Request | None:
+        """Cancel a request wherever it is; its KV is released to the next plan. None if unknown."""
+        request = self.arrivals.remove(request_id)
+        if request is not None:
+            return request
+        return self.state.abort(request_id, now_s)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.arrivals) or self.state.has_unfinished
+
+    # --- one iteration -------------------------------------------------------------------------
+    def launch(self, now_s: float, executor: Executor) -> tuple[BatchPlan, StepResult] | None:
+        """Deliver what has arrived by ``now_s``, schedule and execute; None when nothing can run."""
+        state = self.state
+        arrivals = self.arrivals
+        if arrivals and arrivals.next_arrival_s <= now_s:
+            for request in arrivals.pop_due(now_s):
+                state.add(request)
+        plan = self.scheduler.schedule(state)
+        released = state.take_released()  # since the last launch, and preempted by this plan
+        if released:
+            executor.free(released)
+        if plan is None:
+            return None
+        return plan, executor.execute(plan, state.requests, now_s)
+
+    def land(self, plan: BatchPlan, result: StepResult, start_s: float) -> list[Request]:
+        """The call's tokens, at its end: advance the requests; returns those that finished."""
+        return self.state.apply(plan, result.token_ids, start_s, result.end_s)
+
+    def step(self, now_s: float, executor: Executor) -> tuple[StepRecord, list[Request]] | None:
+        """One iteration at ``now_s``: its record and the requests it finished, or None."""
+        launched = self.launch(now_s, executor)
+        if launched is None:
+            return None
+        plan, result = launched
+        finished = self.land(plan, result, now_s)
+        return StepRecord(plan, now_s, result.end_s, result.duration_s), finished

@@ -1,0 +1,103 @@
+"""The contract every policy keeps, and the plan a step fills."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from engine.core.config import SchedulerConfig
+from engine.core.plan import BatchPlan, LaneIds
+from engine.core.request import Request
+from engine.core.state import ServingState
+
+
+class Scheduler(ABC):
+    name: str
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def schedule(self, state: ServingState) -> BatchPlan | None:
+        """The next model call, or None when nothing can run until a request arrives.
+
+        May mutate ``state`` only through its scheduling transitions: ``admit`` (head of the
+        queue into the running set), ``preempt`` (free a running request's KV, back to the head
+        of the queue), ``kv.grow`` (reserve blocks), ``decode_together`` / ``decode_one_by_one``.
+        Advancing requests is ``state.apply``'s job, after the plan has run.
+        """
+
+
+class PlanBuilder:
+    """A step's plan as a scheduler fills it, within a token budget: the decodes (all together,
+    or one by one), then prefill chunks. Preempting a request takes its entry back out and
+    refunds its tokens; decodes taken together are listed one by one first."""
+
+    __slots__ = ("state", "budget", "together", "decodes", "prefills", "preempted")
+
+    def __init__(self, state: ServingState, budget: int) -> None:
+        self.state = state
+        self.budget = budget
+        self.together: tuple[int, int, LaneIds] | None = None  # (count, Σ contexts, ids on demand)
+        self.decodes: dict[str, int] = {}  # one by one: id -> context
+        self.prefills: dict[str, tuple[int, int, bool]] = {}  # id -> (tokens, context, samples)
+        self.preempted: list[str] = []
+
+    def add_together(self, part: tuple[int, int, LaneIds]) -> None:
+        self.together = part
+        self.budget -= part[0]
+
+    def add_decode(self, request: Request) -> None:
+        self.decodes[request.request_id] = request.num_computed_tokens
+        self.budget -= 1
+
+    def add_prefill(self, request: Request, n: int) -> None:
+        remaining = request.num_tokens - request.num_computed_tokens
+        self.prefills[request.request_id] = (n, request.num_computed_tokens, n == remaining)
+        self.budget -= n
+
+    def reserve(self, request: Request, n: int) -> bool:
+        """KV blocks for ``n`` more tokens of ``request``, preempting the newest running requests
+        while blocks are short; False if ``request`` itself had to go."""
+        state = self.state
+        while not state.kv.grow(request.request_id, request.num_computed_tokens + n):
+            victim = self._preempt_newest()
+            if victim is request:
+                return False
+        return True
+
+    def _preempt_newest(self) -> Request:
+        state = self.state
+        if self.together is not None:  # preemption is request by request: list the decodes
+            ids, contexts = self.together[2]()
+            self.decodes.update(zip(ids, contexts))
+            self.together = None
+            state.decode_one_by_one()
+        victim = state.running[-1]
+        state.preempt(victim)
+        self.preempted.append(victim.request_id)
+        if victim.request_id in self.decodes:
+            del self.decodes[victim.request_id]
+            self.budget += 1
+        elif victim.request_id in self.prefills:
+            self.budget += self.prefills.pop(victim.request_id)[0]
+        return victim
+
+    def build(self, scheduler: str) -> BatchPlan | None:
+        """The plan, or None if nothing was scheduled."""
+        prefills, decodes, together = self.prefills, self.decodes, self.together
+        if not decodes and not prefills:
+            if together is None:
+                return None
+            return BatchPlan(scheduler, (), (), (), (), 0, (), *together)  # the common step
+        lane_size, lane_context_sum, lane_ids = together or (0, 0, None)
+        nd = len(decodes)
+        ids = tuple(decodes)
+        tokens, contexts, sampled = (1,) * nd, tuple(decodes.values()), (True,) * nd
+        if prefills:
+            chunks, chunk_contexts, chunk_samples = zip(*prefills.values())
+            ids += tuple(prefills)
+            tokens += chunks
+            contexts += chunk_contexts
+            sampled += chunk_samples
+        return BatchPlan(scheduler, ids, tokens, contexts, sampled, nd, tuple(self.preempted),
+                         lane_size, lane_context_sum, lane_ids)

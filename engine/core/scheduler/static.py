@@ -1,0 +1,52 @@
+"""Closed groups: the seed's static batching, and serial as a group of one."""
+
+from __future__ import annotations
+
+from engine.core.plan import BatchPlan
+from engine.core.scheduler.base import Scheduler
+from engine.core.state import ServingState
+
+
+class StaticScheduler(Scheduler):
+    """A closed group: admit up to ``max_num_seqs`` when nothing runs, prefill them in one call,
+    then decode the unfinished members every step. Holes left by short requests stay empty
+    until the whole group is done. The group reserves its full KV up front, so it never preempts."""
+
+    name = "static"
+
+    @property
+    def group_size(self) -> int:
+        return self.config.max_num_seqs
+
+    def schedule(self, state: ServingState) -> BatchPlan | None:
+        if not state.running:
+            self._admit_group(state)
+        members = state.running
+        if not members:
+            return None
+        if state.num_decoding == len(members):  # the whole group decodes, together
+            count, context_sum, ids = state.decode_together()  # never short: the group holds its KV
+            return BatchPlan(self.name, lane_size=count, lane_context_sum=context_sum, lane_ids=ids)
+        to_prefill = [r for r in members if r.num_computed_tokens == 0]
+        if to_prefill:
+            return BatchPlan.of(self.name, (r.request_id for r in to_prefill), (r.num_tokens for r in to_prefill),
+                                (0,) * len(to_prefill), (True,) * len(to_prefill), 0)
+        return BatchPlan.of(self.name, (r.request_id for r in members), (1,) * len(members),  # decodes one by one
+                            (r.num_computed_tokens for r in members), (True,) * len(members), len(members))
+
+    def _admit_group(self, state: ServingState) -> None:
+        while state.waiting and len(state.running) < self.group_size:
+            head = state.waiting[0]
+            if not state.kv.grow(head.request_id, head.max_total_tokens):
+                break
+            state.admit(head)
+
+
+class SerialScheduler(StaticScheduler):
+    """One request from prefill to its last token, then the next: a static group of one."""
+
+    name = "serial"
+
+    @property
+    def group_size(self) -> int:
+        return 1
