@@ -45,6 +45,7 @@ class CostModelExecutor:
     def __init__(self, cost_model: CostModel) -> None:
         self.cost_model = cost_model
         self._predict = cost_model.predict
+        self._predict_decodes = cost_model.predict_decodes
         self._overhead = cost_model.step_overhead_s
 
     def start(self, now: float) -> float:
@@ -54,7 +55,10 @@ class CostModelExecutor:
         pass
 
     def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:
-        duration = self._predict(plan)
+        if plan.ids:
+            duration = self._predict(plan)
+        else:  # decodes together, counted: most steps
+            duration = self._predict_decodes(plan.lane_size, plan.lane_context_sum)
         end = start_s + duration
         return StepResult(None, duration, end, end + self._overhead)
 

@@ -9,12 +9,14 @@ from collections.abc import Iterable, Iterator
 from engine.core.request import Request
 
 ARRIVAL = lambda r: r.arrival_s  # noqa: E731
+INF = float("inf")
 
 
 class ArrivalQueue:
     def __init__(self, requests: Iterable[Request] = ()) -> None:
         self._pending = deque(sorted(requests, key=ARRIVAL))
         self._ids = {r.request_id for r in self._pending}
+        self.next_s = self._pending[0].arrival_s if self._pending else INF  # the next arrival, or inf
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -26,6 +28,9 @@ class ArrivalQueue:
     def next_arrival_s(self) -> float | None:
         return self._pending[0].arrival_s if self._pending else None
 
+    def _update_next(self) -> None:
+        self.next_s = self._pending[0].arrival_s if self._pending else INF
+
     def push(self, request: Request) -> None:
         """Add one; in order (the usual case) this is an append."""
         self._ids.add(request.request_id)
@@ -36,6 +41,7 @@ class ArrivalQueue:
             items = list(pending)
             insort(items, request, key=ARRIVAL)
             self._pending = deque(items)
+        self._update_next()
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._ids
@@ -46,12 +52,16 @@ class ArrivalQueue:
         request = next(r for r in self._pending if r.request_id == request_id)
         self._pending.remove(request)
         self._ids.discard(request_id)
+        self._update_next()
         return request
 
     def pop_due(self, now_s: float) -> list[Request]:
-        due = []
+        """Every request with ``arrival_s <= now_s``, in arrival order (callers on a hot path test
+        ``next_s <= now_s`` first)."""
         pending = self._pending
+        due = []
         while pending and pending[0].arrival_s <= now_s:
             due.append(pending.popleft())
         self._ids.difference_update(r.request_id for r in due)
+        self._update_next()
         return due

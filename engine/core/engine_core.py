@@ -56,11 +56,15 @@ class EngineCore:
     between them (the call is in flight); everyone else calls ``step``.
     """
 
-    def __init__(self, config: SchedulerConfig, scheduler: Scheduler | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, scheduler: Scheduler | None = None,
+                 repeat_decode_steps: bool = True) -> None:
         self.config = config
         self.scheduler = scheduler or make_scheduler(config)
         self.state = ServingState(config)
         self.arrivals = ArrivalQueue(())
+        # repeat a decodes-only step without scheduling while nothing changed (Scheduler.decode_steps_repeat)
+        self.repeat_decode_steps = repeat_decode_steps and self.scheduler.decode_steps_repeat
+        self._steady = False  # the last plan only decoded together and nothing has changed since
 
     # --- requests ------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -76,6 +80,7 @@ class EngineCore:
         request = self.arrivals.remove(request_id)
         if request is not None:
             return request
+        self._steady = False
         return self.state.abort(request_id, now_s)
 
     @property
@@ -86,21 +91,28 @@ class EngineCore:
     def launch(self, now_s: float, executor: Executor) -> tuple[BatchPlan, StepResult] | None:
         """Deliver what has arrived by ``now_s``, schedule and execute; None when nothing can run."""
         state = self.state
-        arrivals = self.arrivals
-        if arrivals and arrivals.next_arrival_s <= now_s:
-            for request in arrivals.pop_due(now_s):
-                state.add(request)
-        plan = self.scheduler.schedule(state)
-        released = state.take_released()  # since the last launch, and preempted by this plan
-        if released:
-            executor.free(released)
+        if self.arrivals.next_s <= now_s:
+            self._steady = False
+            for request in self.arrivals.pop_due(now_s):
+                state.enqueue(request)  # validated by add()
+        if self._steady:  # the last step again, one token further (Scheduler.decode_steps_repeat) ...
+            part = state.decode_together()
+            plan = (BatchPlan(self.scheduler.name, (), (), (), (), 0, (), *part) if part is not None
+                    else self.scheduler.schedule(state))  # ... unless blocks ran short: the policy decides
+        else:
+            plan = self.scheduler.schedule(state)
+        if state.released:  # since the last launch, and preempted by this plan
+            executor.free(state.take_released())
         if plan is None:
             return None
         return plan, executor.execute(plan, state.requests, now_s)
 
     def land(self, plan: BatchPlan, result: StepResult, start_s: float) -> list[Request]:
         """The call's tokens, at its end: advance the requests; returns those that finished."""
-        return self.state.apply(plan, result.token_ids, start_s, result.end_s)
+        finished = self.state.apply(plan, result.token_ids, start_s, result.end_s)
+        # a finish frees a seat and blocks, which only matters to a request waiting for them
+        self._steady = self.repeat_decode_steps and not plan.ids and (not finished or not self.state.waiting)
+        return finished
 
     def step(self, now_s: float, executor: Executor) -> tuple[StepRecord, list[Request]] | None:
         """One iteration at ``now_s``: its record and the requests it finished, or None."""

@@ -38,12 +38,12 @@ class DecodeLane:
         self._block_at: dict[int, list[Request]] = {}  # clock at which a member has filled its blocks
         self._block_due: dict[Request, int] = {}  # the same, by member
         self._compact_at = COMPACT_EVERY
-        self._snapshot: tuple[int, int] | None = None  # (version, clock) of the last part_reader
+        self._snapshot = -1  # the version the last part_reader described
         self._num_joined_now = 0  # members that joined since the last advance
         # the last advance: members whose previous token came from the advance before, and the gap
         self.last_continuing = 0
         self.last_gap_s = 0.0
-        self._version = 0
+        self._version = 0  # changes with every join, leave, flush and advance
 
     def times_since(self, joined: int) -> list[float]:
         """End times of the advances after clock ``joined``."""
@@ -135,10 +135,10 @@ class DecodeLane:
     def part_reader(self) -> Callable[[], tuple[tuple[str, ...], tuple[int, ...]]]:
         """A function giving (request ids, contexts) of the step that decodes every member now, in
         running order; it refuses to answer once the lane has moved on (the step was applied)."""
-        snapshot = (self._version, self.clock)
+        snapshot = self._version
 
         def read() -> tuple[tuple[str, ...], tuple[int, ...]]:
-            if (self._version, self.clock) != snapshot:
+            if self._version != snapshot:
                 raise RuntimeError("a plan's lane part was read after its step was applied; "
                                    "materialize() kept plans before applying them")
             clock = self.clock
@@ -149,7 +149,7 @@ class DecodeLane:
 
     def is_current(self) -> bool:
         """Whether the last part_reader() still describes the members (nothing joined, left or moved)."""
-        return self._snapshot == (self._version, self.clock)
+        return self._snapshot == self._version
 
     def advance(self, end_s: float) -> list[Request]:
         """Every member got one token at ``end_s``; returns those that reached max_tokens (still
@@ -158,6 +158,7 @@ class DecodeLane:
         self.last_continuing = continuing
         self.last_gap_s = end_s - self._times[-1] if continuing else 0.0
         self._num_joined_now = 0
+        self._version += 1
         self.clock += 1
         self._times.append(end_s)
         if len(self._times) >= self._compact_at:

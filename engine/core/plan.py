@@ -9,7 +9,7 @@ from typing import NamedTuple
 LaneIds = Callable[[], tuple[tuple[str, ...], tuple[int, ...]]]
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class BatchPlan:
     """One model call: which requests run, how many tokens each, from which context.
 
@@ -21,7 +21,9 @@ class BatchPlan:
     - explicit entries (``ids``, ``tokens``, ``contexts``, ``sampled``), of which the first
       ``explicit_decodes`` are decodes of requests outside the lane.
     A request appearing twice is caught where it would do harm (``ModelRunner.execute``, and the
-    scheduler tests on every plan), not here: the simulator builds millions of plans.
+    scheduler tests on every plan), not here: the simulator builds millions of plans. For the
+    same reason it is not ``frozen`` (a frozen dataclass's __init__ costs 4x): nothing changes a
+    plan once built, except ``materialize`` filling in the lane part's ids.
     """
 
     scheduler: str
@@ -45,7 +47,7 @@ class BatchPlan:
             return
         for name in ("ids", "tokens", "contexts", "sampled"):
             if type(getattr(self, name)) is not tuple:
-                object.__setattr__(self, name, tuple(getattr(self, name)))
+                setattr(self, name, tuple(getattr(self, name)))
         n = len(self.ids)
         if not (len(self.tokens) == len(self.contexts) == len(self.sampled) == n):
             raise ValueError("BatchPlan fields must have one entry per request")
@@ -63,8 +65,7 @@ class BatchPlan:
     def _lane(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         part = self._lane_part
         if part is None:
-            part = self.lane_ids() if self.lane_size else ((), ())
-            object.__setattr__(self, "_lane_part", part)
+            part = self._lane_part = self.lane_ids() if self.lane_size else ((), ())
         return part
 
     def materialize(self) -> BatchPlan:

@@ -73,7 +73,7 @@ class ServingState:
         self.requests: dict[str, Request] = {}  # every request not yet finished, by id
         self.lane = DecodeLane(config.block_size)
         self._num_admitted = 0
-        self._released: list[str] = []
+        self.released: list[str] = []  # ids whose KV the executor is yet to free (take_released)
 
     # --- arrivals ------------------------------------------------------------------------------
     def validate(self, request: Request) -> None:
@@ -92,6 +92,10 @@ class ServingState:
 
     def add(self, request: Request) -> None:
         self.validate(request)
+        self.enqueue(request)
+
+    def enqueue(self, request: Request) -> None:
+        """Join the waiting queue; ``validate`` has accepted it already (EngineCore.add)."""
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -145,7 +149,7 @@ class ServingState:
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
-        self._released.append(request.request_id)
+        self.released.append(request.request_id)
 
     def abort(self, request_id: str, now_s: float) -> Request | None:
         """Cancel a request wherever it is; its blocks are free at once."""
@@ -217,14 +221,10 @@ class ServingState:
         lane = self.lane
         return lane.last_gap_s, lane.last_continuing
 
-    @property
-    def has_released(self) -> bool:
-        return bool(self._released)
-
-    def take_released(self) -> tuple[str, ...]:
+    def take_released(self) -> list[str]:
         """Requests whose KV the executor should free: finished, aborted or preempted since the
         last call."""
-        released, self._released = tuple(self._released), []
+        released, self.released = self.released, []
         return released
 
     def _advance_lane(self, token_ids: Sequence[int] | None, end_s: float) -> list[Request]:
@@ -254,7 +254,7 @@ class ServingState:
         request.status = status
         request.finished_s = now_s
         self.kv.release(request.request_id)
-        self._released.append(request.request_id)
+        self.released.append(request.request_id)
         del self.requests[request.request_id]
         self.finished.append(request)
 

@@ -177,7 +177,7 @@ class EngineThread:
 
     def _has_work(self) -> bool:
         core = self.engine.core
-        return core.has_unfinished or core.state.has_released
+        return core.has_unfinished or bool(core.state.released)
 
     def _drain(self, block: bool) -> bool:
         """Apply every pending arrival and cancellation; False once asked to stop."""

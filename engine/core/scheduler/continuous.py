@@ -16,6 +16,7 @@ class ContinuousScheduler(Scheduler):
     recomputed from scratch later; a step that preempted admits nothing (as vLLM)."""
 
     name = "continuous"
+    decode_steps_repeat = True
 
     def schedule(self, state: ServingState) -> BatchPlan | None:
         step = PlanBuilder(state, self.config.max_num_batched_tokens)

@@ -13,6 +13,7 @@ class StaticScheduler(Scheduler):
     until the whole group is done. The group reserves its full KV up front, so it never preempts."""
 
     name = "static"
+    decode_steps_repeat = True
 
     @property
     def group_size(self) -> int:
