@@ -18,6 +18,17 @@ def test_labels_parse_into_shapes():
     assert (s.active, s.decodes, s.prefills, s.phase) == (6, 6, 0, "decode")
     assert parse_label("miniserve.serial.prefill batch=1").phase == "prefill"
     assert parse_label("aten::mm") is None
+    assert parse_label("miniserve.static.decode batch=") is None
+
+
+def test_every_plan_label_parses_back_to_its_own_numbers_whatever_the_scheduler_is_called():
+    from engine.core.plan import BatchPlan
+    for name in ("continuous", "serial", "static", "my_policy"):
+        plan = BatchPlan.of(name, ("a", "b", "c"), (1, 1, 7), (4, 9, 0), (True, True, True), 2)
+        if name in ("serial", "static"):  # their calls are never mixed
+            plan = BatchPlan.of(name, ("a", "b"), (1, 1), (4, 9), (True, True), 2)
+        call = parse_label(plan.label)
+        assert (call.active, call.decodes, call.prefills) == (plan.num_requests, plan.num_decodes, plan.num_prefills)
 
 
 def test_hand_made_trace_gives_the_seed_arithmetic(tmp_path):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 LaneIds = Callable[[], tuple[tuple[str, ...], tuple[int, ...]]]
+PHASE_LABELED = ("serial", "static")  # policies whose calls the seed labelled by phase and batch
 
 
 @dataclass(slots=True, eq=False)
@@ -137,13 +138,12 @@ class BatchPlan:
 
     @property
     def label(self) -> str:
-        """The trace region name, as in the seed's profiles: a continuous step names its mix, a
-        serial or static call its phase and batch."""
-        if self.scheduler == "continuous":
-            f = self.label_fields
-            return (f"miniserve.continuous.step active={f['active']} decode={f['decode']} "
-                    f"prefill={f['prefill']} tokens={f['tokens']}")
-        return f"miniserve.{self.scheduler}.{self.phase} batch={self.num_requests}"
+        """The trace region name, as in the seed's profiles: a serial or static call names its
+        phase and batch (``miniserve.static.decode batch=6``), any other step its mix
+        (``miniserve.continuous.step active=8 decode=5 prefill=3 tokens=44``)."""
+        if self.scheduler in PHASE_LABELED and self.phase != "mixed":
+            return f"miniserve.{self.scheduler}.{self.phase} batch={self.num_requests}"
+        return f"miniserve.{self.scheduler}.step " + " ".join(f"{k}={v}" for k, v in self.label_fields.items())
 
     def check_unique(self) -> None:
         ids = self.request_ids

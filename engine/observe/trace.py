@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-LABEL_RE = re.compile(r"^miniserve\.(?P<scheduler>serial|static|continuous)\.(?P<phase>\w+) (?P<args>.*)$")
+LABEL_RE = re.compile(r"^miniserve\.(?P<scheduler>\w+)\.(?P<phase>\w+) (?P<args>(\w+=\d+ ?)+)$")
 
 
 @dataclass(frozen=True)
@@ -31,14 +31,18 @@ class Call:
 
 
 def parse_label(label: str, start_s: float = 0.0, dur_s: float = 0.0) -> Call | None:
+    """A model call from its region name (BatchPlan.label): ``miniserve.<scheduler>.<phase>``
+    followed by numbers, either the step's mix (BatchPlan.label_fields: active, decode,
+    prefill, tokens) or, for a call of one phase, its ``batch``."""
     m = LABEL_RE.match(label)
     if m is None:
         return None
-    args = dict(kv.split("=", 1) for kv in m["args"].split())
-    if m["scheduler"] == "continuous":
-        return Call(label, start_s, dur_s, int(args["active"]), int(args["decode"]), int(args["prefill"]),
-                    int(args["tokens"]))
-    batch = int(args["batch"])
+    args = {k: int(v) for k, v in (kv.split("=", 1) for kv in m["args"].split())}
+    if {"active", "decode", "prefill"} <= args.keys():
+        return Call(label, start_s, dur_s, args["active"], args["decode"], args["prefill"], args.get("tokens"))
+    if "batch" not in args or m["phase"] not in ("prefill", "decode"):
+        return None
+    batch = args["batch"]
     decodes = batch if m["phase"] == "decode" else 0
     return Call(label, start_s, dur_s, batch, decodes, batch - decodes, None)
 
