@@ -54,6 +54,11 @@ class Engine:
         self.scheduler = make_scheduler(scheduler_config)
         self.state = ServingState(scheduler_config)
 
+    @property
+    def core(self) -> Engine:
+        """Where the serving state lives (``engine.core.state``) until the EngineCore split lands."""
+        return self
+
     def reset(self, scheduler_config: SchedulerConfig | None = None) -> None:
         """Fresh queues (and optionally another policy) on the same loaded model."""
         if self.state.has_unfinished:
