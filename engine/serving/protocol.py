@@ -12,6 +12,7 @@ of the offending input.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -165,13 +166,14 @@ def _validate(model: type[BaseModel], body: dict) -> BaseModel:
         return model.model_validate(body)
     except ValidationError as exc:
         err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"])
+        param = ".".join(str(p) for p in err["loc"] if not _UNION_TAG.fullmatch(str(p)))
         top = str(err["loc"][0]) if err["loc"] else None
         hint = FIELD_HINTS.get(top, "")
         raise ApiError(400, f"{param}: {err['msg']} (got {quote(err.get('input'))})" + (f"; {hint}" if hint else ""),
                        param=top if top in ("prompt", "messages") else param) from None
 
 
+_UNION_TAG = re.compile(r"(str|int|float|bool|none|[\w-]+\[.*\]|function-.*)")  # pydantic's union branch names
 FIELD_HINTS = {
     "n": "only n=1 is supported",
     "stop": f"a string or a list of at most {MAX_STOP} strings",
