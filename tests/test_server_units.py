@@ -28,7 +28,7 @@ def test_health_is_503_until_the_engine_has_warmed_up():
         return engine
 
     thread = EngineThread(build, max_waiting=8)
-    with TestClient(create_app(thread, "tiny")) as client:
+    with TestClient(create_app(thread, "tiny"), base_url="http://127.0.0.1") as client:
         assert client.get("/health").status_code == 503
         refused = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
         assert refused.status_code == 503 and "warming up" in refused.json()["error"]["message"]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.core.lane import DecodeLane
+    from engine.core.sampling import SamplingParams
 
 
 class RequestStatus(IntEnum):
@@ -36,6 +37,10 @@ class Request:
     progress (computed tokens, outputs, token times) relative to the lane's step clock; the
     properties below read it the same either way. ``output_token_ids`` holds sampled values
     and so stays empty in simulation, where tokens have none.
+
+    ``sampling`` None is greedy (the seed's setting). ``output_logprobs`` gets one entry per
+    output token when ``sampling.logprobs`` is set; the model runner writes it, because the
+    state's ``apply`` sees token ids only.
     """
 
     request_id: str
@@ -49,6 +54,8 @@ class Request:
     first_scheduled_s: float | None = None
     finished_s: float | None = None
     num_preemptions: int = 0
+    sampling: SamplingParams | None = None
+    output_logprobs: list = field(default_factory=list)
     # progress, explicit; or, in a lane, minus the lane's clock (times: those before joining)
     _computed: int = field(default=0, init=False, repr=False)
     _num_output: int = field(default=0, init=False, repr=False)

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from engine.model.attention import ATTN_IMPLEMENTATION
 from engine.core.config import ModelConfig
+from engine.model.tokenizer import byte_tokenizer
 
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
@@ -62,7 +63,8 @@ def pack_linear_weights(model: PreTrainedModel) -> int:
 
 
 def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, object | None]:
-    """The model (eval, requested dtype, packed ragged attention) and its tokenizer if it has one."""
+    """The model (eval, requested dtype, packed ragged attention) and its tokenizer: the
+    checkpoint's if it has one, the built-in byte-level one for the bundled configs."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if model_config.num_threads is not None:
         torch.set_num_threads(model_config.num_threads)
@@ -82,4 +84,6 @@ def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, object | Non
         torch.manual_seed(model_config.seed)
         config._attn_implementation = ATTN_IMPLEMENTATION
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        eos = config.eos_token_id if isinstance(config.eos_token_id, int) else None
+        tokenizer = byte_tokenizer(config.vocab_size, eos)
     return model.eval(), tokenizer

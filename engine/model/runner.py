@@ -1,4 +1,5 @@
-"""Executes a BatchPlan as ONE forward pass over a packed (1, T) batch, then samples greedily."""
+"""Executes a BatchPlan as ONE forward pass over a packed (1, T) batch, then samples (greedy by
+default; engine/model/sampler.py for requests that ask for more)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from engine.model.attention import RaggedBatch, SlotKVCache
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.model.lean_qwen2 import LeanQwen2
 from engine.model.loader import load_model, pack_linear_weights
+from engine.model.sampler import needs_sampler, sample
 from engine.core.plan import BatchPlan, StepResult
 from engine.core.request import Request
 
@@ -71,12 +73,14 @@ class ModelRunner:
         plan.check_unique()  # two entries of one request would write the same KV slot
         token_ids: list[int] = []
         sample_rows: list[int] = []
+        sampled: list[Request] = []
         slots: list[int] = []
         for rid, n, ctx, samples in zip(plan.request_ids, plan.num_tokens, plan.context_lens, plan.samples):
             token_ids += requests[rid].token_ids(ctx, n)
             slots.append(self._slot(rid, ctx))
             if samples:
                 sample_rows.append(len(token_ids) - 1)
+                sampled.append(requests[rid])
         batch = RaggedBatch.build(slots, list(plan.num_tokens), list(plan.context_lens),
                                   self.model_config.attention, self.decode_attention)
         self.cache.batch = batch
@@ -95,8 +99,11 @@ class ModelRunner:
                     use_cache=False,
                     logits_to_keep=rows,
                 ).logits[0]
-            next_tokens = self.greedy(logits.contiguous())
+            if needs_sampler(sampled):
+                next_tokens = sample(logits, sampled, self.greedy)
+            else:
+                next_tokens = self.greedy(logits.contiguous()).tolist()
         duration = time.perf_counter() - start
         end = self.clock()
-        result = StepResult(tuple(next_tokens.tolist()), duration, end, end)
+        result = StepResult(tuple(next_tokens), duration, end, end)
         return (result, logits.float()) if return_logits else result

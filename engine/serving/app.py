@@ -1,21 +1,23 @@
 """An OpenAI-compatible HTTP server around the engine (FastAPI + uvicorn).
 
-``POST /v1/completions`` (token-id prompts always, text when the model has a tokenizer; streaming
-as server-sent events), ``GET /v1/models``, ``GET /health`` (200 only after warm-up) and
-``GET /metrics`` (Prometheus text). The engine runs in its own thread (engine_thread.py); this
-module only parses, admits, and relays tokens. A client that goes away has its request
-aborted at the next iteration boundary; SIGTERM stops accepting, lets in-flight requests finish
-for up to ``graceful_timeout_s``, cancels the rest and exits 0.
+``POST /v1/completions`` and ``/v1/chat/completions`` (text or token ids, streaming as
+server-sent events), ``GET /v1/models[/{id}]``, vLLM's ``POST /tokenize`` and ``/detokenize``,
+``GET /health`` (200 only after warm-up) and ``GET /metrics`` (Prometheus text). The engine runs
+in its own thread (engine_thread.py); this module only parses, admits, and relays tokens
+(responses.py); limits.py keeps a misbehaving client from stalling it. A client that goes away
+has its request aborted at the next iteration boundary; SIGTERM stops accepting, lets in-flight
+requests finish for up to ``graceful_timeout_s``, then ends the rest with an OpenAI error (a JSON
+error, or an error event and ``[DONE]`` on a stream) and exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
+import resource
 import signal
-import time
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -24,21 +26,35 @@ from pathlib import Path
 import anyio
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.responses import StreamingResponse
 
 from engine.core.config import ModelConfig, SchedulerConfig
-from engine.serving.engine_thread import EngineThread, Histogram, QueueFull, RequestSink, TokenEvent, clock
-from engine.serving.protocol import ApiError, CompletionParams, check_limits, parse_completion, parse_json
 from engine.core.request import Request as EngineRequest
+from engine.serving.engine_thread import EngineThread, QueueFull, RequestSink, clock
+from engine.serving.limits import (LOOPBACK_HOSTS, ClientGone, Guard, error_response, guarded_h11,
+                                   install_error_handlers, read_body)
+from engine.serving.prometheus import parse_prometheus, prometheus_text
+from engine.serving.protocol import (ApiError, CompletionParams, check_limits, parse_chat, parse_completion,
+                                     parse_detokenize, parse_json, parse_tokenize, quote)
+from engine.serving.responses import Generation
+
+__all__ = ["ServerConfig", "create_app", "parse_prometheus", "serve"]
 
 log = logging.getLogger("miniserve.server")
+
+PARSE_ON_LOOP_BYTES = 64 * 1024  # larger bodies are parsed in a worker thread, off the event loop
+SHUTDOWN_FLUSH_S = 3.0  # after the grace period: time for the error answers to reach clients
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """How the server listens and admits. ``max_waiting`` bounds queued (not yet running)
-    requests: past it a request gets 429 instead of an ever-growing queue."""
+    requests: past it a request gets 429 instead of an ever-growing queue. The limits bound
+    what one client can hold: body size, time to send the request head and body, open
+    connections. ``allowed_hosts`` defaults to the loopback names when the server listens on
+    loopback (against DNS rebinding) and to any host otherwise; browser requests (an
+    ``Origin`` header) are refused unless their origin is listed."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -49,6 +65,14 @@ class ServerConfig:
     served_model_name: str | None = None
     log_level: str = "info"
     access_log: bool = False
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 1024
+    allowed_hosts: list[str] = field(default_factory=list)
+    allowed_origins: list[str] = field(default_factory=list)
+    enable_docs: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -57,19 +81,30 @@ class ServerConfig:
             raise ValueError(f"server.max_waiting must be >= 1, got {self.max_waiting}")
         if not self.graceful_timeout_s >= 0:
             raise ValueError(f"server.graceful_timeout_s must be >= 0, got {self.graceful_timeout_s}")
+        for name in ("max_body_bytes", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"server.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"server.{name} must be > 0, got {getattr(self, name)}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("server.api_key must not be empty (leave it null for no key)")
+
+    def host_names(self) -> frozenset[str] | None:
+        """The Host header names accepted; None accepts any."""
+        if self.allowed_hosts:
+            return frozenset(h.lower() for h in self.allowed_hosts)
+        return LOOPBACK_HOSTS if self.host in LOOPBACK_HOSTS else None
 
 
 @dataclass
 class _ServerState:
     engine: EngineThread
     model_name: str
+    config: ServerConfig
     draining: bool = False
     rejected: dict[str, int] = field(default_factory=lambda: {"invalid": 0, "queue_full": 0, "unavailable": 0})
     ids: itertools.count = field(default_factory=itertools.count)
-
-
-def _error(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
 
 
 class _EventStream(StreamingResponse):
@@ -103,8 +138,10 @@ async def _disconnected(receive) -> None:
         pass
 
 
-def create_app(engine: EngineThread, model_name: str, on_shutdown: Callable[[], None] = lambda: None) -> FastAPI:
+def create_app(engine: EngineThread, model_name: str, on_shutdown: Callable[[], None] = lambda: None,
+               config: ServerConfig | None = None) -> FastAPI:
     """The ASGI app; the engine thread starts with it and stops when it shuts down."""
+    config = config or ServerConfig()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -115,11 +152,36 @@ def create_app(engine: EngineThread, model_name: str, on_shutdown: Callable[[], 
         on_shutdown()
         log.info("engine stopped")
 
-    app = FastAPI(title="miniserve", lifespan=lifespan)
-    app.state.s = state = _ServerState(engine, model_name)
+    docs = {} if config.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="miniserve", lifespan=lifespan, redirect_slashes=False, **docs)
+    app.state.s = state = _ServerState(engine, model_name, config)
+    app.add_middleware(Guard, api_key=config.api_key, allowed_hosts=config.host_names(),
+                       allowed_origins=frozenset(config.allowed_origins))
+    install_error_handlers(app)
 
     def runner():
         return engine.engine.runner
+
+    def model_card() -> dict:
+        cfg = engine.engine.scheduler_config
+        return {"id": model_name, "object": "model", "owned_by": "miniserve", "created": 0,
+                "max_model_len": min(runner().max_model_len, cfg.kv_capacity_tokens),
+                "vocab_size": runner().vocab_size, "scheduler": cfg.name, "max_num_seqs": cfg.max_num_seqs}
+
+    def ready() -> None:
+        if not engine.healthy:
+            raise ApiError(503, engine.error or "the engine is warming up", type_="unavailable")
+
+    async def off_loop_if_large(data: bytes, work: Callable[[dict], object]):
+        """``work(parse_json(data))``; in a worker thread for a large body, whose parsing and
+        per-token checks would otherwise stall every stream the event loop serves."""
+        if len(data) > PARSE_ON_LOOP_BYTES:
+            return await asyncio.to_thread(lambda: work(parse_json(data)))
+        return work(parse_json(data))
+
+    async def body_of(raw: Request) -> bytes:
+        return await read_body(raw.receive, raw.headers.get("content-length"), config.max_body_bytes,
+                               config.body_timeout_s)
 
     @app.get("/health")
     async def health():
@@ -130,31 +192,62 @@ def create_app(engine: EngineThread, model_name: str, on_shutdown: Callable[[], 
 
     @app.get("/v1/models")
     async def models():
-        if not engine.healthy:
-            return _error(ApiError(503, "the engine is not ready", type_="unavailable"))
-        cfg = engine.engine.scheduler_config
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "owned_by": "miniserve", "created": 0,
-            "max_model_len": runner().max_model_len, "vocab_size": runner().vocab_size,
-            "scheduler": cfg.name, "max_num_seqs": cfg.max_num_seqs}]}
+        ready()
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        ready()
+        if model_id != model_name:
+            raise ApiError(404, f"model {quote(model_id)} is not served here (this server serves {model_name!r})",
+                           "model", "not_found_error")
+        return model_card()
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(_prometheus_text(engine, state), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(prometheus_text(engine, state.rejected, model_name),
+                                 media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
+        return await generate(raw, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        return await generate(raw, "chat")
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request):
+        ready()
+        text, messages, add_special = await off_loop_if_large(await body_of(raw), parse_tokenize)
+        ids = _tokenize(runner().tokenizer, text, messages, add_special)
+        return {"count": len(ids), "max_model_len": model_card()["max_model_len"], "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request):
+        ready()
+        tokenizer = _need_tokenizer(runner().tokenizer, "tokens")
+        ids = await off_loop_if_large(await body_of(raw), lambda b: parse_detokenize(b, runner().vocab_size))
+        return {"prompt": tokenizer.decode(ids)}
+
+    async def generate(raw: Request, kind: str) -> Response:
         try:
-            request, params = _admit(await raw.body(), state, runner)
+            request, params, prompt_text = await off_loop_if_large(
+                await body_of(raw), lambda body: _admit(body, kind, state, runner))
             sink = RequestSink(asyncio.get_running_loop())
             engine.submit(request, sink)
+        except ClientGone:
+            return Response(status_code=499)
         except QueueFull as exc:
             state.rejected["queue_full"] += 1
-            return _error(ApiError(429, f"{exc}; retry later", type_="rate_limit_error"))
+            return error_response(ApiError(429, f"{exc}; retry later", type_="rate_limit_error",
+                                           headers={"Retry-After": "1"}))
         except ApiError as exc:
             state.rejected["unavailable" if exc.status == 503 else "invalid"] += 1
-            return _error(exc)
-        response = _Completion(request, params, model_name, sink, runner().tokenizer)
+            return error_response(exc, close=exc.status in (408, 413))
+        response = Generation(request, params, model_name, sink, runner().tokenizer, kind,
+                              on_stop=lambda: engine.abort(request.request_id, stopped=True),
+                              prompt_text=prompt_text)
         abort = lambda: None if response.done else engine.abort(request.request_id)  # noqa: E731
         if params.stream:
             return _EventStream(response.sse(), on_close=abort)
@@ -165,158 +258,66 @@ def create_app(engine: EngineThread, model_name: str, on_shutdown: Callable[[], 
         if not waiter.done():  # the client left before its answer was ready
             waiter.cancel()
             abort()
-            return JSONResponse({}, status_code=499)
-        body, status = waiter.result()
-        return JSONResponse(body, status_code=status)
+            return Response(status_code=499)
+        payload, status = waiter.result()
+        return JSONResponse(payload, status_code=status)
 
     return app
 
 
-def _admit(raw: bytes, state: _ServerState, runner) -> tuple[EngineRequest, CompletionParams]:
+def _need_tokenizer(tokenizer, param: str):
+    if tokenizer is None:
+        raise ApiError(400, f"{param}: this model's checkpoint has no tokenizer; send token ids", param)
+    return tokenizer
+
+
+def _tokenize(tokenizer, text: str | None, messages: list[dict] | None, add_special: bool = True) -> list[int]:
+    if messages is None:
+        return list(_need_tokenizer(tokenizer, "prompt").encode(text, add_special_tokens=add_special))
+    tokenizer = _need_tokenizer(tokenizer, "messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, "messages: this model's tokenizer has no chat template; use /v1/completions",
+                       "messages")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids)
+
+
+def _admit(body: dict, kind: str, state: _ServerState, runner) -> tuple[EngineRequest, CompletionParams, str]:
     """Everything that can be refused before the request reaches the engine."""
     if state.draining:
         raise ApiError(503, "the server is shutting down", type_="unavailable")
     if not state.engine.healthy:
         raise ApiError(503, state.engine.error or "the engine is warming up", type_="unavailable")
-    params = parse_completion(parse_json(raw))
+    params = parse_completion(body) if kind == "completion" else parse_chat(body)
     if params.model is not None and params.model != state.model_name:
-        raise ApiError(404, f"model: {params.model!r} is not served here (this server serves "
+        raise ApiError(404, f"model: {quote(params.model)} is not served here (this server serves "
                             f"{state.model_name!r})", "model", "not_found_error")
     run = runner()
     ids = params.prompt_token_ids
     if ids is None:
-        if run.tokenizer is None:
-            raise ApiError(400, "prompt: this model has no tokenizer (random weights, no checkpoint); "
-                                "send the prompt as a list of token ids", "prompt")
-        ids = list(run.tokenizer.encode(params.prompt_text))
+        ids = _tokenize(run.tokenizer, params.prompt_text, params.messages)
         if not ids:
             raise ApiError(400, "prompt: the text tokenizes to no tokens", "prompt")
     cfg = state.engine.engine.scheduler_config
-    check_limits(ids, params.max_tokens, run.vocab_size, run.max_model_len, cfg.kv_capacity_tokens)
-    request = EngineRequest(f"cmpl-{next(state.ids)}", ids, params.max_tokens, arrival_s=clock(),
-                            ignore_eos=params.ignore_eos, eos_token_id=run.eos_token_id)
-    return request, params
+    max_tokens = check_limits(ids, params.max_tokens, run.vocab_size, run.max_model_len, cfg.kv_capacity_tokens)
+    stop_ids = params.stop_token_ids
+    if kind == "chat" and run.tokenizer is not None and not params.ignore_eos:
+        end = run.tokenizer.convert_tokens_to_ids("<|im_end|>")  # the template's end of a turn
+        if isinstance(end, int) and end != getattr(run.tokenizer, "unk_token_id", None):
+            params = _with(params, stop_token_ids=stop_ids | {end})
+    request = EngineRequest(f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{next(state.ids)}", ids, max_tokens,
+                            arrival_s=clock(), ignore_eos=params.ignore_eos, eos_token_id=run.eos_token_id,
+                            sampling=params.sampling)
+    prompt_text = ""
+    if params.echo:
+        prompt_text = params.prompt_text if params.prompt_text is not None else run.tokenizer.decode(ids) \
+            if run.tokenizer is not None else ""
+    return request, params, prompt_text
 
 
-class _Completion:
-    """Turns one request's TokenEvents into OpenAI completion JSON or SSE chunks."""
-
-    def __init__(self, request: EngineRequest, params: CompletionParams, model_name: str, sink: RequestSink,
-                 tokenizer=None) -> None:
-        self.request = request
-        self.params = params
-        self.model_name = model_name
-        self.sink = sink
-        self.created = int(time.time())
-        self.done = False
-        self.token_ids: list[int] = []
-        self.token_times_s: list[float] = []
-        self.first_scheduled_s: float | None = None
-        self._decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: "")
-
-    async def events(self) -> AsyncIterator[TokenEvent]:
-        while True:
-            event = await self.sink.queue.get()
-            self.token_ids += event.token_ids
-            self.token_times_s += event.token_times_s
-            if event.first_scheduled_s is not None:
-                self.first_scheduled_s = event.first_scheduled_s
-            if event.finish_reason is not None:
-                self.done = True
-            yield event
-            if self.done:
-                return
-
-    def usage(self) -> dict:
-        n_in, n_out = self.request.num_prompt_tokens, len(self.token_ids)
-        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
-
-    def timing(self) -> dict:
-        """Engine-side times (server perf_counter s), so a client can split off the HTTP overhead."""
-        return {"arrival_s": self.request.arrival_s, "first_scheduled_s": self.first_scheduled_s,
-                "token_times_s": self.token_times_s}
-
-    def _head(self) -> dict:
-        return {"id": self.request.request_id, "object": "text_completion", "created": self.created,
-                "model": self.model_name}
-
-    async def sse(self) -> AsyncIterator[str]:
-        async for event in self.events():
-            if event.error is not None and event.finish_reason == "error":
-                yield _sse({"error": ApiError(400, event.error).body()["error"]})
-                break
-            chunk = {**self._head(), "choices": [{
-                "index": 0, "text": self._decode(list(event.token_ids)), "token_ids": list(event.token_ids),
-                "logprobs": None, "finish_reason": event.finish_reason}]}
-            if event.finish_reason is not None:
-                chunk["timing"] = self.timing()
-                if event.error:
-                    chunk["error"] = event.error
-            yield _sse(chunk)
-        if self.params.include_usage:
-            yield _sse({**self._head(), "choices": [], "usage": self.usage()})
-        yield "data: [DONE]\n\n"
-
-    async def collect(self) -> tuple[dict, int]:
-        finish = None
-        async for event in self.events():
-            finish = event.finish_reason
-            if finish == "error":
-                return ApiError(400, event.error).body(), 400
-            if finish == "abort":
-                return ApiError(503, event.error or "request aborted", type_="unavailable").body(), 503
-        return {**self._head(), "choices": [{
-            "index": 0, "text": self._decode(self.token_ids), "token_ids": self.token_ids,
-            "logprobs": None, "finish_reason": finish}],
-            "usage": self.usage(), "timing": self.timing()}, 200
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-def _prometheus_text(engine: EngineThread, state: _ServerState) -> str:
-    s = engine.stats
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-        lines.extend([f"# HELP miniserve:{name} {help_}", f"# TYPE miniserve:{name} {kind}"])
-        lines.extend(f"miniserve:{name}{labels} {value}" for labels, value in samples)
-
-    def histogram(name: str, help_: str, h: Histogram) -> None:
-        counts, count, total = list(h.counts), h.count, h.total
-        samples = [(f'_bucket{{le="{b}"}}', c) for b, c in zip(h.buckets, counts)]
-        samples += [('_bucket{le="+Inf"}', count), ("_sum", total), ("_count", count)]
-        metric(name, "histogram", help_, samples)
-
-    metric("healthy", "gauge", "1 once the engine is warmed up and serving", [("", int(engine.healthy))])
-    metric("num_requests_waiting", "gauge", "Requests accepted and queued, not yet running",
-           [("", s.num_waiting)])
-    metric("num_requests_running", "gauge", "Requests in the running set", [("", s.num_running)])
-    metric("kv_blocks_used", "gauge", "KV blocks held by requests", [("", s.kv_blocks_used)])
-    metric("kv_blocks_total", "gauge", "KV blocks in the cache", [("", s.kv_blocks_total)])
-    metric("kv_slots_used", "gauge", "Model-runner KV slots held by requests", [("", s.kv_slots_used)])
-    metric("prompt_tokens_total", "counter", "Prompt tokens of accepted requests", [("", s.prompt_tokens)])
-    metric("generation_tokens_total", "counter", "Output tokens generated", [("", s.generation_tokens)])
-    metric("requests_finished_total", "counter", "Requests that finished (length or stop)", [("", s.finished)])
-    metric("requests_aborted_total", "counter", "Requests cancelled (client gone, shutdown)", [("", s.aborted)])
-    metric("requests_rejected_total", "counter", "Requests refused before acceptance",
-           [(f'{{reason="{k}"}}', v) for k, v in state.rejected.items()])
-    metric("steps_total", "counter", "Engine iterations by plan phase",
-           [(f'{{phase="{k}"}}', v) for k, v in sorted(s.steps_by_phase.items())])
-    histogram("step_duration_seconds", "One engine iteration: schedule, model call, apply", s.step_s)
-    histogram("model_call_duration_seconds", "The model forward of one iteration", s.model_s)
-    return "\n".join(lines) + "\n"
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """``name{labels}`` → value, for tests and the seed harness."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
+def _with(params: CompletionParams, **changes) -> CompletionParams:
+    from dataclasses import replace
+    return replace(params, **changes)
 
 
 class _Server(uvicorn.Server):
@@ -352,13 +353,24 @@ def serve(model: ModelConfig, scheduler: SchedulerConfig, server: ServerConfig) 
             log.info("wrote %s (%d steps)", path, len(thread.steps))
 
     name = server.served_model_name or (Path(model.path).name if model.path else model.name)
-    app = create_app(thread, name, on_shutdown=write_trace)
+    app = create_app(thread, name, on_shutdown=write_trace, config=server)
+    _check_fd_limit(server.max_connections)
+    # uvicorn's own deadline comes after ours: by then every answer has been ended cleanly
     config = uvicorn.Config(app, host=server.host, port=server.port, log_level=server.log_level,
-                            access_log=server.access_log, timeout_graceful_shutdown=server.graceful_timeout_s,
-                            lifespan="on")
+                            access_log=server.access_log, lifespan="on",
+                            timeout_graceful_shutdown=server.graceful_timeout_s + SHUTDOWN_FLUSH_S,
+                            http=guarded_h11(server.header_timeout_s, server.max_connections),
+                            h11_max_incomplete_event_size=64 * 1024)
+    grace: list[threading.Timer] = []
 
     def draining() -> None:
         app.state.s.draining = True
+        if not grace:  # the first signal starts the grace period; a second one is uvicorn's force-quit
+            reason = (f"the server is shutting down and its grace period "
+                      f"(server.graceful_timeout_s={server.graceful_timeout_s:g} s) has ended")
+            grace.append(threading.Timer(server.graceful_timeout_s, thread.cancel_in_flight, (reason,)))
+            grace[0].daemon = True
+            grace[0].start()
 
     # uvicorn re-raises the signal it handled once it has shut down; with the default handler
     # that would kill the process after a clean shutdown, so the restored handler does nothing.
@@ -366,7 +378,21 @@ def serve(model: ModelConfig, scheduler: SchedulerConfig, server: ServerConfig) 
         signal.signal(sig, lambda *_: None)
     uvicorn_server = _Server(config, on_signal=draining)
     uvicorn_server.run()
+    for timer in grace:
+        timer.cancel()
     if thread.error is not None:
         log.error("%s", thread.error)
         return 1
     return 0
+
+
+def _check_fd_limit(max_connections: int) -> None:
+    """Raise the soft open-file limit to fit the connection cap (plus the process's own files),
+    so the cap, not the kernel, is what a flood of connections meets."""
+    need = max_connections + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        if target < need:
+            log.warning("open-file limit %d is below server.max_connections + 256; lower the cap", target)

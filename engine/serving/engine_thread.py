@@ -29,6 +29,13 @@ FINISH_REASONS = {RequestStatus.FINISHED_LENGTH: "length", RequestStatus.FINISHE
 
 # Step times on CPU run from ~1 ms (tiny model) to seconds (0.5B prefill): millisecond buckets.
 STEP_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+# vLLM's buckets for the request-level latencies, so its dashboards read these unchanged
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0)
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 class QueueFull(Exception):
@@ -45,6 +52,7 @@ class TokenEvent:
     finish_reason: str | None = None
     error: str | None = None
     first_scheduled_s: float | None = None
+    logprobs: tuple = ()  # one (logprob, top alternatives) per token, when the request asked
 
 
 class RequestSink:
@@ -95,9 +103,23 @@ class EngineStats:
     finished: int = 0
     aborted: int = 0
     failed: int = 0
+    preemptions: int = 0
     steps_by_phase: dict[str, int] = field(default_factory=dict)
     step_s: Histogram = field(default_factory=Histogram)
     model_s: Histogram = field(default_factory=Histogram)
+    ttft_s: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
+    tpot_s: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS_S))
+    e2e_s: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS_S))
+
+    def observe_request(self, request: Request, end_s: float) -> None:
+        """A request left the engine with its tokens delivered: its latencies, vLLM-style."""
+        times = request.token_times_s
+        self.preemptions += request.num_preemptions
+        if times:
+            self.ttft_s.observe(times[0] - request.arrival_s)
+            if len(times) > 1:
+                self.tpot_s.observe((times[-1] - times[0]) / (len(times) - 1))
+        self.e2e_s.observe(end_s - request.arrival_s)
 
 
 @dataclass
@@ -108,6 +130,17 @@ class _Live:
 
 
 _STOP = object()
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+    stopped: bool  # the HTTP layer hit a stop string: a finished request, not a cancelled one
+
+
+@dataclass(frozen=True)
+class _CancelAll:
+    reason: str
 
 
 class EngineThread:
@@ -128,6 +161,7 @@ class EngineThread:
         self._lock = threading.Lock()
         self._queued = 0  # submitted, not yet drained into the engine
         self._live: dict[str, _Live] = {}
+        self._refusing: str | None = None  # set once shutdown has cancelled everything
         self._thread = threading.Thread(target=self._main, name="miniserve-engine", daemon=True)
 
     # --- called from the HTTP side -------------------------------------------------------------
@@ -146,9 +180,15 @@ class EngineThread:
             self._queued += 1
             self._inbox.put((request, sink))
 
-    def abort(self, request_id: str) -> None:
-        """Cancel at the next iteration boundary (no-op if it already finished)."""
-        self._inbox.put(request_id)
+    def abort(self, request_id: str, stopped: bool = False) -> None:
+        """Cancel at the next iteration boundary (no-op if it already finished); ``stopped``
+        when the client's answer is complete (a stop string) rather than abandoned."""
+        self._inbox.put(_Abort(request_id, stopped))
+
+    def cancel_in_flight(self, reason: str) -> None:
+        """End every accepted request now with ``reason`` (the shutdown grace period is over);
+        the loop keeps running, so clients get their error while the server still answers."""
+        self._inbox.put(_CancelAll(reason))
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Cancel whatever is still in flight and end the thread."""
@@ -188,8 +228,11 @@ class EngineThread:
             while True:
                 if item is _STOP:
                     keep_going = False
-                elif isinstance(item, str):
-                    self._abort(item)
+                elif isinstance(item, _Abort):
+                    self._abort(item.request_id, item.stopped)
+                elif isinstance(item, _CancelAll):
+                    self._refusing = item.reason
+                    self._cancel_live(item.reason)
                 else:
                     drained += 1
                     self._add(*item)
@@ -202,6 +245,10 @@ class EngineThread:
         return keep_going
 
     def _add(self, request: Request, sink: RequestSink) -> None:
+        if self._refusing is not None:
+            sink.put(TokenEvent(finish_reason="abort", error=self._refusing))
+            self.stats.aborted += 1
+            return
         try:
             self.engine.add_request(request)
         except ValueError as exc:  # the HTTP layer validated already; this is the last word
@@ -211,12 +258,18 @@ class EngineThread:
         self._live[request.request_id] = _Live(request, sink)
         self.stats.prompt_tokens += request.num_prompt_tokens
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, stopped: bool = False) -> None:
         live = self._live.pop(request_id, None)
         if live is None:
             return
-        self.engine.abort(request_id, clock())
-        self.stats.aborted += 1
+        now = clock()
+        self.engine.abort(request_id, now)
+        if stopped:
+            self.stats.finished += 1
+            self.stats.observe_request(live.request, now)
+        else:
+            self.stats.aborted += 1
+            self.stats.preemptions += live.request.num_preemptions
         live.sink.put(TokenEvent(finish_reason="abort"))
 
     def _step(self) -> None:
@@ -247,6 +300,7 @@ class EngineThread:
         request = live.request
         new = tuple(request.output_token_ids[live.sent:])
         times = tuple(request.token_times_s[live.sent:])
+        logprobs = tuple(request.output_logprobs[live.sent:])
         live.sent = request.num_output_tokens
         self.stats.generation_tokens += len(new)
         finish = FINISH_REASONS.get(request.status) if request.status.is_finished else None
@@ -254,7 +308,8 @@ class EngineThread:
         if finish is not None:  # counted before the client can see the end of its request
             del self._live[request.request_id]
             self.stats.finished += 1
-        live.sink.put(TokenEvent(new, times, finish, first_scheduled_s=first))
+            self.stats.observe_request(request, request.finished_s or clock())
+        live.sink.put(TokenEvent(new, times, finish, first_scheduled_s=first, logprobs=logprobs))
 
     def _publish_gauges(self) -> None:
         engine, stats = self.engine, self.stats
@@ -264,12 +319,7 @@ class EngineThread:
         stats.kv_slots_used = engine.runner.num_slots_used
 
     def _cancel_all(self, reason: str) -> None:
-        for request_id in list(self._live):
-            live = self._live.pop(request_id)
-            if self.engine is not None and self.error is None:
-                self.engine.abort(request_id, clock())
-            self.stats.aborted += 1
-            live.sink.put(TokenEvent(finish_reason="abort", error=reason))
+        self._cancel_live(reason)
         # anything still in the inbox was accepted but never started: tell its client
         while True:
             try:
@@ -277,4 +327,15 @@ class EngineThread:
             except queue.Empty:
                 break
             if isinstance(item, tuple):
+                with self._lock:
+                    self._queued -= 1
                 item[1].put(TokenEvent(finish_reason="abort", error=reason))
+
+    def _cancel_live(self, reason: str) -> None:
+        for request_id in list(self._live):
+            live = self._live.pop(request_id)
+            if self.engine is not None and self.error is None:
+                self.engine.abort(request_id, clock())
+            self.stats.aborted += 1
+            self.stats.preemptions += live.request.num_preemptions
+            live.sink.put(TokenEvent(finish_reason="abort", error=reason))

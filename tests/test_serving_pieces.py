@@ -1,0 +1,161 @@
+"""The serving layer's pieces without a server: text streaming and stops, the byte-level
+tokenizer, the sampler, and the request checks for what this server does not implement."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import tokenizers
+import torch
+from transformers import AutoTokenizer
+
+from engine.core.request import Request
+from engine.core.sampling import SamplingParams
+from engine.model.sampler import filtered_probs, sample
+from engine.model.tokenizer import byte_tokenizer
+from engine.serving.detokenize import TextStream
+from engine.serving.protocol import MAX_NESTING, ApiError, parse_chat, parse_completion, parse_json
+
+TOK = byte_tokenizer(512, eos_token_id=1)
+
+
+def decode(ids: list[int]) -> str:
+    return TOK.decode(ids, skip_special_tokens=True)
+
+
+def stream(ids: list[int], **stops) -> tuple[str, TextStream]:
+    ts = TextStream(decode, **stops)
+    out = ""
+    for token in ids:
+        stopped = ts.add(token)
+        out += ts.pending(final=False)
+        if stopped:
+            break
+    return out + ts.pending(final=True), ts
+
+
+def test_streamed_pieces_add_up_to_the_whole_decode_byte_for_byte():
+    ids = TOK.encode("中文 é ok 🙂")
+    pieces = []
+    ts = TextStream(decode)
+    for token in ids:
+        ts.add(token)
+        pieces.append(ts.pending(final=False))
+    pieces.append(ts.pending(final=True))
+    assert "".join(pieces) == "中文 é ok 🙂"
+    assert "\ufffd" not in "".join(pieces[:-1])  # never a half character on the wire
+    assert decode(ids[:1]) == "\ufffd"  # what decoding one chunk's bytes alone gave
+
+
+def test_random_byte_sequences_stream_exactly_as_they_decode():
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.choice([rng.randrange(4, 259), *TOK.encode("中é")]) for _ in range(rng.randrange(1, 25))]
+        out, _ = stream(ids)
+        assert out == decode(ids)
+
+
+def test_stop_string_trims_the_text_even_split_across_tokens():
+    ids = TOK.encode("hello world, bye")
+    out, ts = stream(ids, stop=("ld, b", "zzz"))
+    assert out == ts.text == "hello wor"
+    assert ts.stopped and decode(ts.token_ids) == "hello world, b"  # tokens up to the one that completed it
+
+
+def test_stop_token_id_ends_the_output_without_its_text():
+    ids = TOK.encode("abc")
+    out, ts = stream(ids + ids, stop_token_ids=frozenset({ids[1]}))
+    assert (out, ts.token_ids) == ("a", ids[:2])
+
+
+def test_byte_tokenizer_round_trips_saves_and_loads_as_tokenizer_json(tmp_path):
+    qwen = byte_tokenizer(151936, eos_token_id=151643)
+    assert qwen.encode("A") == [65] and qwen.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [151644, 151645]
+    text = "naïve 中 \x00\n"
+    assert TOK.decode(TOK.encode(text)) == text
+    assert TOK.eos_token_id == 1 and all(0 <= i < 512 for i in TOK.encode(text))
+    TOK.save_pretrained(tmp_path)
+    assert tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(text).ids == TOK.encode(text)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    chat = [{"role": "user", "content": "hi"}]
+    assert loaded.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _requests(params: SamplingParams | None, n: int = 3) -> list[Request]:
+    return [Request(f"s{i}", [1, 2], 8, sampling=params) for i in range(n)]
+
+
+def test_sampling_with_a_seed_repeats_and_greedy_is_argmax():
+    logits = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    greedy = lambda x: x.argmax(-1)  # noqa: E731
+    assert sample(logits, _requests(None), greedy) == logits.argmax(-1).tolist()
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    first = sample(logits, _requests(seeded), greedy)
+    assert sample(logits, _requests(seeded), greedy) == first
+    same_rows = logits[:1].expand(3, -1)
+    draws = sample(same_rows, _requests(seeded), greedy)
+    assert draws[0] == draws[1] == draws[2]  # same seed, same output index, same logits: same draw
+    draws = {tuple(sample(logits, _requests(SamplingParams(temperature=1.0, seed=s)), greedy)) for s in range(20)}
+    assert len(draws) > 1  # it really samples
+    assert sample(logits, _requests(SamplingParams(temperature=1.0, top_k=1, seed=1)), greedy) == \
+        logits.argmax(-1).tolist()
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = filtered_probs(torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])), SamplingParams(temperature=1.0, top_p=0.7))
+    assert probs.tolist()[2:] == [0.0, 0.0] and probs[0] > 0 and probs[1] > 0
+
+
+def test_logprobs_are_recorded_per_sampled_token():
+    logits = torch.randn(2, 512, generator=torch.Generator().manual_seed(1))
+    requests = _requests(SamplingParams(logprobs=3), n=2)
+    tokens = sample(logits, requests, lambda x: x.argmax(-1))
+    lp, top = requests[0].output_logprobs[0]
+    assert len(top) == 3 and top[0][0] == tokens[0] and lp == pytest.approx(top[0][1])
+    assert lp == pytest.approx(torch.log_softmax(logits[0], -1)[tokens[0]].item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("best_of", 2), ("presence_penalty", 0.5), ("frequency_penalty", 1), ("logit_bias", {"1": 5}),
+    ("suffix", "x"), ("min_p", 0.1), ("top_p", 7), ("logprobs", -3), ("logprobs", 99), ("stop", 42),
+    ("stop", ["a"] * 17), ("top_k", -2), ("seed", "x"), ("temperature", 2.5), ("stop_token_ids", [1.5]),
+])
+def test_unsupported_or_invalid_parameters_get_400_naming_them(field, value):
+    with pytest.raises(ApiError) as err:
+        parse_completion({"prompt": [1], field: value})
+    assert err.value.status == 400 and err.value.param.split(".")[0] == field and field in err.value.message
+
+
+def test_chat_refuses_tools_and_non_text_parts():
+    for body, param in [({"tools": [{"type": "function"}]}, "tools"),
+                        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+                        ({"top_logprobs": 2}, "top_logprobs")]:
+        with pytest.raises(ApiError) as err:
+            parse_chat({"messages": [{"role": "user", "content": "hi"}], **body})
+        assert err.value.param == param
+
+
+def test_supported_parameters_become_sampling_and_stops():
+    p = parse_completion({"prompt": "x", "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 3, "logprobs": 2,
+                          "stop": "\n", "stop_token_ids": [7], "best_of": 1, "suffix": None})
+    assert p.sampling == SamplingParams(0.5, 0.9, 5, 3, 2) and p.stop == ("\n",)
+    assert p.stop_token_ids == frozenset({7})
+    assert parse_completion({"prompt": [1], "temperature": 0}).sampling is None  # greedy: the fast path
+
+
+def test_deep_nesting_is_a_400_not_a_recursion_error():
+    for raw in (b'{"prompt":[1],"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                b'{"prompt":' + b"[" * 960 + b"1" + b"]" * 960 + b"}"):
+        with pytest.raises(ApiError) as err:
+            parse_completion(parse_json(raw))
+        assert err.value.status == 400 and str(MAX_NESTING) in err.value.message
+    assert parse_json(json.dumps({"prompt": [[1, 2]], "x": {"a": [{"b": 1}]}}).encode())["prompt"] == [[1, 2]]
+
+
+def test_errors_quote_only_a_short_prefix_of_bad_input():
+    with pytest.raises(ApiError) as err:
+        parse_completion({"prompt": [1], "max_tokens": "9" * 5_000_000})
+    assert err.value.param == "max_tokens" and len(err.value.message) < 300
