@@ -136,11 +136,20 @@ class CostModel:
         on the count alone is remembered per count."""
         fixed = self._decode_fixed.get(num_decodes)
         if fixed is None:
+            fixed = self.decode_cost_terms(num_decodes)[0]
+        return fixed + self.coefficients[3] * context_sum
+
+    def decode_cost_terms(self, num_decodes: int) -> tuple[float, float]:
+        """A decodes-only call of ``num_decodes`` requests costs ``fixed + per_context × Σ context``:
+        (fixed, per_context). Linear in the context, so a simulator can time a run of such
+        steps without a plan per step."""
+        fixed = self._decode_fixed.get(num_decodes)
+        if fixed is None:
             c = self.coefficients
             fixed = self._decode_fixed[num_decodes] = (
                 c[0] + c[2] * num_decodes + c[5] * num_decodes + _tent_dot(num_decodes, TOKEN_KNOTS, c, _TOKENS_AT)
                 + _tent_dot(num_decodes, SAMPLE_KNOTS, c, _SAMPLES_AT))
-        return fixed + self.coefficients[3] * context_sum
+        return fixed, self.coefficients[3]
 
     @property
     def memory_read_gb_s(self) -> float | None:

@@ -37,6 +37,12 @@ class SimExecutor(Protocol):
     def free(self, request_ids: Iterable[str]) -> None:
         """Nothing is held in simulation."""
 
+    def decode_costs(self, num_decodes: int) -> tuple[float, float, float] | None:
+        """(seconds, seconds per context token, overhead after the call) of a step that decodes
+        ``num_decodes`` requests together and nothing else, when that is linear in the context:
+        the simulator then runs repeated such steps without a plan each
+        (EngineCore.repeat_decodes). None when this executor must see each plan."""
+
 
 class CostModelExecutor:
     """The model call takes ``predict(plan)``; then ``step_overhead_s`` passes outside the call
@@ -61,6 +67,9 @@ class CostModelExecutor:
             duration = self._predict_decodes(plan.lane_size, plan.lane_context_sum)
         end = start_s + duration
         return StepResult(None, duration, end, end + self._overhead)
+
+    def decode_costs(self, num_decodes: int) -> tuple[float, float, float]:
+        return (*self.cost_model.decode_cost_terms(num_decodes), self._overhead)
 
 
 class ReplayDivergedError(RuntimeError):
@@ -95,6 +104,9 @@ class ReplayExecutor:
         self.index += 1
         return StepResult(None, record.end_s - start_s, record.end_s, record.end_s)
 
+    def decode_costs(self, num_decodes: int) -> None:
+        return None  # every step is checked against the recorded plan
+
 
 class ConstantExecutor:
     """Every model call takes ``call_s``, plus ``overhead_s`` between steps: hand-computable runs."""
@@ -112,3 +124,6 @@ class ConstantExecutor:
     def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:
         end = start_s + self.call_s
         return StepResult(None, self.call_s, end, end + self.overhead_s)
+
+    def decode_costs(self, num_decodes: int) -> tuple[float, float, float]:
+        return self.call_s, 0.0, self.overhead_s

@@ -97,6 +97,7 @@ class Replica:
         self._wakeup: Event | None = None
         self.num_steps = 0
         self.last_end_s = 0.0
+        self.repeat = sim.repeat_decodes
 
     @property
     def state(self) -> ServingState:
@@ -131,6 +132,9 @@ class Replica:
         kv, waiting, running, finished_list = state.kv, state.waiting, state.running, state.finished
         # compact records count the gaps of requests decoding together here, once per step
         itl = None if log.keep_token_times else log.itl
+        gaps: list[tuple[float, int]] | None = None if itl is None else []
+        # repeated decodes-only steps run at once (EngineCore.repeat_decodes) unless each step is kept
+        repeat = steps is None and series is None and self.repeat
         now = env.now
         while True:
             start = executor.start(now)
@@ -177,6 +181,20 @@ class Replica:
                     log.add(request)
                 if on_finish is not None:
                     on_finish(len(finished), end)
+            if unobserved and repeat and core.steady:  # the same step again and again: run them at once
+                costs = executor.decode_costs(state.num_decoding)
+                run = (0,) if costs is None else core.repeat_decodes(ready, costs, peek(), gaps)
+                if run[0]:
+                    n, end, ready, finished = run
+                    self.num_steps += n
+                    self.last_end_s = end
+                    for gap, count in gaps or ():
+                        itl.add(gap, count)
+                    if gaps:
+                        gaps.clear()
+                    finished_list.clear()
+                    for request in finished:
+                        log.add(request)
             if ready > end and not unobserved:
                 yield timeout(ready - env.now)
             now = ready
@@ -187,7 +205,7 @@ class Simulation:
 
     def __init__(self, config: SchedulerConfig, make_executor: Callable[[], SimExecutor], num_replicas: int = 1,
                  router: str = "round_robin", keep_steps: bool = False, timeseries: bool = False,
-                 keep_token_times: bool = True) -> None:
+                 keep_token_times: bool = True, repeat_decodes: bool = True) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         self.env = simpy.Environment()
@@ -196,6 +214,7 @@ class Simulation:
         self.timeseries = TimeSeries() if timeseries else None
         self.log = RequestLog(keep_token_times)
         self.on_finish: Callable[[int, float], None] | None = None
+        self.repeat_decodes = repeat_decodes  # off: every step through launch and land (tests compare)
         self.replicas = [Replica(i, self.env, config, make_executor(), self) for i in range(num_replicas)]
 
     def _dispatch(self, request: Request) -> None:

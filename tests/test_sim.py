@@ -243,3 +243,24 @@ def test_lazy_source_out_of_arrival_order_is_an_error():
     late_then_early = iter([Request("a", range(4), 2, arrival_s=1.0), Request("b", range(4), 2, arrival_s=0.5)])
     with pytest.raises(ValueError, match="arrival order"):
         simulate(late_then_early, SchedulerConfig(), lambda: ConstantExecutor(0.1))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(["serial", "static", "continuous"]), seqs=st.integers(1, 8),
+       blocks=st.integers(12, 60), rate=st.floats(5.0, 2000.0), seed=st.integers(0, 1000),
+       keep=st.booleans())
+def test_running_repeated_decode_steps_at_once_changes_no_token_time(name, seqs, blocks, rate, seed, keep):
+    """EngineCore.repeat_decodes is a shortcut: the same token times, step count and metrics as
+    launching and landing every step (plans identical too: the decode steps it skips are the
+    repeat of the plan before, which the step loop's own test holds)."""
+    config = SchedulerConfig(name=name, max_num_seqs=seqs, max_num_batched_tokens=32, long_prefill_token_threshold=16,
+                             num_kv_blocks=blocks, block_size=4)
+    wl = WorkloadConfig(arrival="poisson", num_requests=40, rate=rate, seed=seed,
+                        prompt=LengthDist(kind="uniform", value=2, max=20), output=LengthDist(kind="uniform", value=1, max=40))
+    runs = []
+    for repeat in (True, False):
+        result = simulate(make_requests(generate(wl)), config, lambda: CostModelExecutor(COST),
+                          keep_token_times=keep, repeat_decodes=repeat)
+        times = ({r.request_id: r.token_times_s for r in result.records} if keep else None)
+        runs.append((result.num_steps, times, result.metrics()))
+    assert runs[0] == runs[1]

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.core.arrivals import ArrivalQueue
+from engine.core.arrivals import INF, ArrivalQueue
 from engine.core.config import SchedulerConfig
 from engine.core.plan import BatchPlan, StepResult
 from engine.core.request import Request
@@ -92,7 +92,8 @@ class EngineCore:
         """Deliver what has arrived by ``now_s``, schedule and execute; None when nothing can run."""
         state = self.state
         if self.arrivals.next_s <= now_s:
-            self._steady = False
+            if not state.waiting:  # behind a waiting head, an arrival changes no plan (FCFS)
+                self._steady = False
             for request in self.arrivals.pop_due(now_s):
                 state.enqueue(request)  # validated by add()
         if self._steady:  # the last step again, one token further (Scheduler.decode_steps_repeat) ...
@@ -113,6 +114,28 @@ class EngineCore:
         # a finish frees a seat and blocks, which only matters to a request waiting for them
         self._steady = self.repeat_decode_steps and not plan.ids and (not finished or not self.state.waiting)
         return finished
+
+    @property
+    def steady(self) -> bool:
+        """The next step repeats the last one (decodes together, nothing else), unless a request
+        arrives first or blocks run short."""
+        return self._steady
+
+    def repeat_decodes(self, start_s: float, costs: tuple[float, float, float], until_s: float,
+                       gaps: list[tuple[float, int]] | None = None) -> tuple[int, float, float, list[Request]]:
+        """While ``steady``: the repeated steps from ``start_s`` run at once, without a plan each
+        — a simulator's shortcut when a decodes-only step costs ``costs = (seconds, seconds per
+        context token, overhead)``. Stops before a step that starts at or after the next arrival,
+        ends after ``until_s`` (another event) or lacks blocks, and after one in which requests
+        finish. Returns (steps, last end, last ready, finished). Token times and blocks are those
+        of running each step through ``launch`` and ``land``."""
+        if not self._steady:
+            return 0, start_s, start_s, []
+        arrival_s = self.arrivals.next_s if not self.state.waiting else INF  # (see launch)
+        steps, end, ready, finished = self.state.repeat_decodes(start_s, *costs, arrival_s, until_s, gaps)
+        if finished:
+            self._steady = not self.state.waiting
+        return steps, end, ready, finished
 
     def step(self, now_s: float, executor: Executor) -> tuple[StepRecord, list[Request]] | None:
         """One iteration at ``now_s``: its record and the requests it finished, or None."""

@@ -135,6 +135,38 @@ class ServingState:
             lane.got_block()
         return len(lane.members), lane.context_sum(), lane.part_reader()
 
+    def repeat_decodes(self, start_s: float, step_s: float, per_context_s: float, overhead_s: float,
+                       arrival_s: float, until_s: float, gaps: list[tuple[float, int]] | None
+                       ) -> tuple[int, float, float, list[Request]]:
+        """Run, at once, the decodes-together steps that would follow one another unchanged (a
+        simulator's shortcut, see EngineCore.repeat_decodes): each takes ``step_s + per_context_s
+        × Σ context`` and then ``overhead_s``. A step runs if it starts before ``arrival_s``, is
+        over before ``until_s`` and gets its blocks; the run ends after a step in which requests
+        finish. Returns (steps, last end, last ready, finished); each step's uniform gaps go to
+        ``gaps``. The same arithmetic as planning and applying each step."""
+        lane, kv = self.lane, self.kv
+        steps, end, ready, start = 0, start_s, start_s, start_s
+        finished: list[Request] = []
+        while start < arrival_s and lane.members:
+            step_end = start + (step_s + per_context_s * lane.context_sum())
+            step_ready = step_end + overhead_s
+            if step_ready >= until_s:
+                break
+            needing = lane.needing_block()
+            if needing:
+                if not kv.add_block_each([r.request_id for r in needing]):
+                    break
+                lane.got_block()
+            end, ready = step_end, step_ready
+            finished = self._advance_lane(None, end)
+            steps += 1
+            if gaps is not None and lane.last_continuing:
+                gaps.append((lane.last_gap_s, lane.last_continuing))
+            if finished:
+                break
+            start = ready
+        return steps, end, ready, finished
+
     def decode_one_by_one(self) -> None:
         """This step treats each decoding request on its own (a budget or block shortage)."""
         self.lane.flush()

@@ -13,8 +13,9 @@ from engine.core.state import ServingState
 class Scheduler(ABC):
     name: str
     # A plan that only decodes together (``lane_size`` and nothing else) is followed by the same
-    # step, the decodes one token further (less any that finished), until a request arrives or
-    # is aborted, one finishes while others wait, or blocks run short. True for every policy here (it follows from their rules); the step loop
+    # step, the decodes one token further (less any that finished), until a request arrives to an
+    # empty queue (behind a head that could not be admitted, first come first served, it changes
+    # nothing), one is aborted, one finishes while others wait, or blocks run short. True for every policy here (it follows from their rules); the step loop
     # then repeats such a step without asking ``schedule`` again. A policy for which it does not
     # hold leaves it False.
     decode_steps_repeat: bool = False
