@@ -9,6 +9,7 @@ from pathlib import Path
 
 from calibration.cost_model import CostModel
 from engine.core.config import ModelConfig, SchedulerConfig
+from engine.core.model_shape import config_fingerprint
 from engine.observe.metrics import write_metrics_json
 from engine.observe.trace import summarize_trace, write_chrome_trace
 from engine.observe.workload import WorkloadConfig
@@ -31,11 +32,7 @@ def load_cost_model(profile: str | None, model: ModelConfig | None = None) -> Co
             "calibration.profile=DIR/profile.json")
     if not Path(profile).is_file():
         raise MissingProfileError(f"calibration.profile={profile} does not exist")
-    expect = None
-    if model is not None:
-        from engine.model.loader import config_fingerprint  # reads the model's config; torch is imported
-        expect = config_fingerprint(model)
-    return CostModel.load(profile, expect_fingerprint=expect)
+    return CostModel.load(profile, expect_fingerprint=config_fingerprint(model) if model is not None else None)
 
 
 @dataclass(frozen=True)

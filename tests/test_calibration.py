@@ -19,7 +19,7 @@ from calibration.profiler import Measurement, step_overheads
 from calibration.roofline import Machine, ModelShape, call_work, roofline_s
 from engine.core.config import ModelConfig
 from engine.llm_engine import StepRecord
-from engine.model.loader import config_fingerprint
+from engine.core.model_shape import config_fingerprint
 from engine.core.plan import BatchPlan
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from hydra.errors import ConfigCompositionException
 from calibration.cost_model import ProfileMismatchError
 from engine.core.config import ModelConfig
 from engine.observe.metrics import REQUEST_COLUMNS, summarize
-from engine.model.loader import config_fingerprint
+from engine.core.model_shape import config_fingerprint
 from engine.observe.trace import summarize_trace
 from experiments.schema import to_object
 from experiments.simulate import SimulateApp, run_app
