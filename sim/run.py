@@ -11,6 +11,7 @@ from calibration.cost_model import CostModel
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.core.model_shape import config_fingerprint
 from engine.observe.metrics import write_metrics_json
+from engine.observe.results import Goodput
 from engine.observe.trace import summarize_trace, write_chrome_trace
 from engine.observe.workload import WorkloadConfig
 from sim import workload_requests
@@ -59,12 +60,11 @@ def write_timeseries_csv(series: TimeSeries, path: Path) -> None:
         w.writerows(series.rows())
 
 
-def write_outputs(result: SimResult, out_dir: Path, max_num_seqs: int, slo_ttft_s: float | None = None,
-                  slo_tpot_s: float | None = None) -> dict:
+def write_outputs(result: SimResult, out_dir: Path, max_num_seqs: int, goodput: Goodput = Goodput()) -> dict:
     """metrics.json and requests.csv (real runs' keys), trace JSON per replica, timeseries.csv,
     and sim.json (what only a simulation knows: steps, replicas, each trace's summary)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    metrics = result.metrics(slo_ttft_s, slo_tpot_s)
+    metrics = result.log.summarize(result.duration_s, **goodput.seconds())
     write_metrics_json(metrics, out_dir / "metrics.json")
     result.log.write_csv(out_dir / "requests.csv")
     info: dict = {"num_steps": result.num_steps, "num_replicas": result.num_replicas, "traces": {}}
