@@ -19,7 +19,7 @@ pytest.importorskip("ray")
 
 from engine.core.config import ModelConfig  # noqa: E402
 from engine.core.model_shape import config_fingerprint  # noqa: E402
-from sim.timing import cost_model_from  # noqa: E402
+from sim.executors import cost_model_from  # noqa: E402
 
 RAY = str(Path(sys.executable).with_name("ray"))
 

@@ -38,7 +38,7 @@ runpy.run_module('experiments.simulate', run_name='__main__', alter_sys=True)
 def test_a_simulation_runs_with_torch_and_transformers_blocked(tmp_path):
     from engine.core.config import ModelConfig
     from engine.core.model_shape import config_fingerprint
-    from sim.timing import cost_model_from
+    from sim.executors import cost_model_from
 
     profile = tmp_path / "profile.json"
     cost_model_from(step_overhead_s=2e-4, fingerprint=config_fingerprint(ModelConfig(name="tiny")), const=2e-3,
