@@ -53,6 +53,14 @@ def run_workload(cost: CostModel, scheduler: SchedulerConfig, workload: Workload
                     timeseries=options.timeseries, keep_token_times=options.keep_token_times)
 
 
+def saturation_rate(cost: CostModel, scheduler: SchedulerConfig, workload: WorkloadConfig, n: int = 64) -> float:
+    """Requests/s the configuration sustains when it never waits for work: a simulated burst of
+    ``n`` requests with the workload's lengths. Sweeps and validation state load as a fraction of it."""
+    burst = replace(workload, arrival="burst", num_requests=n)
+    return run_workload(cost, scheduler, burst, SimOptions(trace=False, timeseries=False)).metrics()[
+        "request_throughput_req_s"]
+
+
 def write_timeseries_csv(series: TimeSeries, path: Path) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)

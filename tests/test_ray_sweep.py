@@ -77,12 +77,12 @@ def test_a_simulated_sweep_runs_on_ray(ray_head, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.sweep", "-m", "hydra/launcher=ray_cluster",
          f"hydra.launcher.ray.init.address={ray_head}", "model=tiny", f"calibration.profile={profile}",
-         "scheduler=continuous", "scheduler.max_num_seqs=4,8", "workload.rate=1,2", "workload.num_requests=20",
+         "scheduler=continuous", "scheduler.max_num_seqs=4,8", "load=0.5,1.2", "workload.num_requests=20",
          f"hydra.sweep.dir={sweep}"],
         capture_output=True, text=True, timeout=300, check=False, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Ray Launcher is launching 4 jobs" in proc.stdout + proc.stderr
     jobs = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/job.json"))]
-    assert sorted((j["max_num_seqs"], j["rate"]) for j in jobs) == [(4, 1.0), (4, 2.0), (8, 1.0), (8, 2.0)]
+    assert sorted((j["max_num_seqs"], j["load"]) for j in jobs) == [(4, 0.5), (4, 1.2), (8, 0.5), (8, 1.2)]
     for p in sweep.glob("*/metrics.json"):
         assert json.loads(p.read_text())["completed"] == 20
