@@ -4,25 +4,32 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
+# pyproject's optional extras; CI adds ray (EXTRAS=dev,ray) so the Ray launcher's test runs.
+EXTRAS ?= dev
+comma := ,
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: setup seed test clean
+.PHONY: setup seed test lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
-setup: $(VENV)/.installed
+setup: $(STAMP)
 
 seed: setup  ## the seed's experiment on the built-in Qwen2.5-0.5B-shaped model
 	$(BIN)/python -m experiments.seed $(ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -q $(ARGS)
+
+lint: setup  ## the layer rules in pyproject.toml's [tool.importlinter]
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache .hypothesis

@@ -28,7 +28,7 @@ from calibration.cost_model import CostModel
 from calibration.profiler import step_overheads
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.llm_engine import Engine
-from engine.model.loader import config_fingerprint
+from engine.core.model_shape import config_fingerprint
 from engine.observe.workload import LengthDist, WorkloadConfig, generate, make_requests
 
 SEED_WORKLOAD = WorkloadConfig(num_requests=16, prompt=LengthDist("fixed", value=12),

@@ -16,7 +16,7 @@ from calibration.grid import GRID_SPECS, build_grid
 from calibration.profiler import Measurement, ShapePool, make_runner, measure_engine_runs, measure_shapes, threads_of
 from calibration.roofline import MemoryStamp, ModelShape, measure_machine, roofline_s
 from engine.core.config import ModelConfig
-from engine.model.loader import config_fingerprint
+from engine.core.model_shape import config_fingerprint
 
 
 @dataclass(frozen=True)

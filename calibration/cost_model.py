@@ -103,7 +103,7 @@ class CostModel:
     coefficients: tuple[float, ...]
     step_overhead_s: float = 0.0
     feature_names: tuple[str, ...] = FEATURES
-    fingerprint: str | None = None  # engine.model.loader.config_fingerprint of what was measured
+    fingerprint: str | None = None  # engine.core.model_shape.config_fingerprint of what was measured
     info: dict = field(default_factory=dict)  # fit errors, device, threads, torch version, date ...
     _decode_fixed: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 

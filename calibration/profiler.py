@@ -10,7 +10,9 @@ writes what a call after a real prefill would, without paying minutes of prefill
 
 from __future__ import annotations
 
+import logging
 import statistics
+import time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -25,6 +27,8 @@ from engine.model.runner import ModelRunner
 from engine.core.plan import BatchPlan
 from engine.core.request import Request
 from engine.observe.workload import LengthDist, WorkloadConfig, generate, make_requests
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,13 +83,16 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int, warmup: i
     so slow spells on a shared machine spread over shapes instead of landing on one.
 
     A call during which other processes used the CPU is measured again (up to ``max_retries``).
-    Returns the measurements and how many calls were retried.
+    Returns the measurements and how many calls were retried. The progress bar shows on a terminal
+    only (a log file gets no carriage-return updates), then one summary line is logged.
     """
     plans = [s.to_plan(pool.request_ids) for s in shapes]
     times: list[list[float]] = [[] for _ in shapes]
     rng = np.random.default_rng(seed)
     retried = 0
-    bar = tqdm(total=len(shapes) * (warmup + repeats), desc="calibrating", unit="call", disable=not progress)
+    start = time.perf_counter()
+    bar = tqdm(total=len(shapes) * (warmup + repeats), desc="calibrating", unit="call",
+               disable=None if progress else True)
     for r in range(warmup + repeats):
         for i in rng.permutation(len(shapes)):
             t, contended = pool.execute(plans[i])
@@ -98,6 +105,8 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int, warmup: i
                 times[i].append(t)
             bar.update()
     bar.close()
+    log.info(f"measured {len(shapes)} shapes × {warmup} warm-up + {repeats} repeats in "
+             f"{time.perf_counter() - start:.1f} s, {retried} calls measured again (CPU contended)")
     return [Measurement(s, p, tuple(t)) for s, p, t in zip(shapes, plans, times)], retried
 
 

@@ -1,12 +1,14 @@
 """Benchmark a running server: ``python -m experiments.bench bench.url=http://127.0.0.1:8000
 workload.arrival=poisson workload.rate=4 workload.num_requests=200 [bench.max_concurrency=8]``
-(also the ``miniserve-bench`` console script). Writes requests.csv, metrics.json and
-http_requests.csv into the Hydra run dir and prints vLLM's summary table."""
+(also the ``miniserve-bench`` console script). ``vllm bench serve``'s flags work too
+(engine/loadgen/vllm_args.py). Writes requests.csv, metrics.json, results.json (vLLM's
+``--save-result`` keys) and http_requests.csv into the Hydra run dir and prints vLLM's summary table."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +16,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from engine.loadgen.client import BenchConfig, fetch_model_info, format_summary, run_bench, write_outputs
+from engine.loadgen.vllm_args import vllm_to_overrides
+from engine.observe.results import Goodput, write_results_json
 from engine.observe.workload import WorkloadConfig, generate, make_requests
 from experiments.schema import register, to_object
 
@@ -33,17 +37,30 @@ def bench(app: BenchApp, out_dir: Path) -> dict:
     requests = make_requests(generate(workload), vocab_size=info["vocab_size"], seed=workload.seed, prefix="bench")
     result = asyncio.run(run_bench(requests, app.bench, model=info["id"]))
     write_outputs(result, out_dir)
+    write_results_json(out_dir / "results.json", result.metrics, backend="openai", label="miniserve",
+                       model_id=info["id"], workload=workload, goodput=Goodput.parse(app.bench.goodput),
+                       max_concurrency=app.bench.max_concurrency)
     return result.metrics
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench")
-def main(cfg) -> None:
+def hydra_main(cfg) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     app: BenchApp = to_object(cfg)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     metrics = bench(app, out_dir)
     print(format_summary(metrics))
-    print(f"wrote {out_dir / 'metrics.json'}")
+    print(f"wrote {out_dir / 'metrics.json'} and {out_dir / 'results.json'}")
+
+
+def main() -> None:
+    """vLLM's flags become Hydra overrides, then Hydra runs the app."""
+    try:
+        sys.argv = [sys.argv[0], *vllm_to_overrides(sys.argv[1:])]
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    hydra_main()
 
 
 if __name__ == "__main__":

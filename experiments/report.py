@@ -1,7 +1,7 @@
 """Figures and a markdown summary from run directories (reads files only, never runs anything).
 
     python -m experiments.report [sweep_dir=multirun/DATE/TIME] [validate_dir=DIR] [seed_dir=DIR]
-        [hydra.run.dir=OUT]
+        ["goodput=ttft:2000 tpot:200"] [hydra.run.dir=OUT]
 
 Any subset of the three inputs. Writes PNGs and summary.md (embedding them) into OUT.
 """
@@ -14,7 +14,6 @@ from pathlib import Path
 
 import hydra
 import matplotlib
-import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -23,6 +22,7 @@ import seaborn as sns  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 
 from engine.observe.metrics import read_requests_csv  # noqa: E402
+from engine.observe.results import Goodput  # noqa: E402
 from engine.observe.trace import read_calls  # noqa: E402
 from experiments.schema import register, to_object  # noqa: E402
 
@@ -32,6 +32,7 @@ class ReportApp:
     sweep_dir: str | None = None
     validate_dir: str | None = None
     seed_dir: str | None = None
+    goodput: str | None = None  # SLO lines on the sweep's latency panels, vLLM's --goodput syntax (ms)
 
 
 register("report_schema", ReportApp)
@@ -52,20 +53,54 @@ def load_sweep(sweep_dir: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def plot_rate_curves(df: pd.DataFrame, path: Path) -> None:
-    """Throughput and p99 latencies against arrival rate; a column per batch cap, sim and real overlaid."""
-    long = df.melt(id_vars=["scheduler", "max_num_seqs", "rate", "backend"],
-                   value_vars=["output_tok_s", "ttft_p99_s", "e2e_p99_s"], var_name="metric")
-    g = sns.relplot(data=long, x="rate", y="value", hue="scheduler", style="backend", row="metric",
-                    col="max_num_seqs", kind="line", markers=True, facet_kws={"sharey": "row"}, height=2.6,
-                    aspect=1.3)
-    g.set(xscale="log")
-    for ax in g.axes.flat:
-        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    g.set_axis_labels("arrival rate (req/s)", "")
-    g.figure.savefig(path, dpi=110)
-    plt.close(g.figure)
+RATE_PANELS = (("output_tok_s", "output tok/s", None), ("ttft_p99_s", "TTFT p99 (s)", "ttft_ms"),
+               ("tpot_p99_s", "TPOT p99 (s)", "tpot_ms"), ("e2e_p99_s", "E2E p99 (s)", "e2el_ms"))
+
+
+def plot_rate_curves(df: pd.DataFrame, path: Path, goodput: Goodput = Goodput()) -> None:
+    """Throughput and p99 latencies (log) against arrival rate (log); a column per batch cap, a
+    line per scheduler, sim and real overlaid. Each configuration's simulated saturation rate is a
+    dotted vertical in its scheduler's colour (the knee sits there); SLOs are grey horizontals."""
+    caps = sorted(df["max_num_seqs"].unique())
+    schedulers = list(dict.fromkeys(df["scheduler"]))
+    colours = dict(zip(schedulers, sns.color_palette(n_colors=len(schedulers))))
+    backends = list(dict.fromkeys(df["backend"]))
+    styles = dict(zip(backends, ("-", "--", ":")))
+    fig, axes = plt.subplots(len(RATE_PANELS), len(caps), figsize=(3.6 * len(caps), 2.4 * len(RATE_PANELS)),
+                             sharex="col", sharey="row", squeeze=False)
+    for j, cap in enumerate(caps):
+        at_cap = df[df["max_num_seqs"] == cap]
+        for i, (column, label, slo) in enumerate(RATE_PANELS):
+            ax = axes[i, j]
+            for (scheduler, backend), g in at_cap.groupby(["scheduler", "backend"], sort=False):
+                g = g.sort_values("rate")
+                ax.plot(g["rate"], g[column], styles[backend], marker="o", ms=3, color=colours[scheduler],
+                        label=f"{scheduler} ({backend})")
+            if "saturation_req_s" in at_cap:
+                for scheduler, sat in at_cap.groupby("scheduler")["saturation_req_s"].first().dropna().items():
+                    ax.axvline(sat, color=colours[scheduler], ls=":", lw=1)
+            if slo and getattr(goodput, slo) is not None:
+                ax.axhline(getattr(goodput, slo) / 1e3, color="grey", lw=1, ls="--")
+            ax.set_xscale("log")
+            if column != "output_tok_s":
+                ax.set_yscale("log")
+            if j == 0:
+                ax.set_ylabel(label)
+            if i == 0:
+                ax.set_title(f"max_num_seqs={cap}", fontsize=9)
+            if i == len(RATE_PANELS) - 1:
+                ax.set_xlabel("arrival rate (req/s)")
+            ax.grid(True, which="major", lw=0.3)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    handles.append(plt.Line2D([], [], color="black", ls=":", lw=1))
+    labels.append("saturation (simulated burst)")
+    if goodput:
+        handles.append(plt.Line2D([], [], color="grey", ls="--", lw=1))
+        labels.append(f"SLO ({goodput.spec()})")
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_latency_cdfs(run_dirs: dict[str, Path], path: Path) -> None:
@@ -145,7 +180,7 @@ def build_report(app: ReportApp, out_dir: Path) -> Path:
     if app.sweep_dir:
         df = load_sweep(Path(app.sweep_dir))
         df.to_csv(out_dir / "sweep.csv", index=False)
-        plot_rate_curves(df, out_dir / "sweep_rate_curves.png")
+        plot_rate_curves(df, out_dir / "sweep_rate_curves.png", Goodput.parse(app.goodput))
         figure("Throughput and p99 latency against arrival rate", "sweep_rate_curves.png")
     if app.validate_dir:
         validation = pd.read_csv(Path(app.validate_dir) / "validation.csv")

@@ -3,8 +3,9 @@
     python -m experiments.run [model=tiny] [scheduler=static] [workload=poisson workload.rate=2]
         [mode=inprocess|server] [hydra.run.dir=DIR]
 
-Writes DIR/metrics.json and DIR/requests.csv (the simulator writes the same keys), trace.json
-(the model calls, same labels as the simulator's) and run.json (the trace's analysis).
+Writes DIR/metrics.json and DIR/requests.csv (the simulator writes the same keys), results.json
+(``vllm bench serve --save-result``'s keys; ``goodput='ttft:500 tpot:50'``), trace.json (the model
+calls, same labels as the simulator's) and run.json (the trace's analysis).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.observe.metrics import write_metrics_json, write_requests_csv
+from engine.observe.results import Goodput, write_results_json
 from engine.observe.trace import summarize_trace, write_chrome_trace
 from engine.observe.workload import WorkloadConfig, generate, make_requests
 from experiments.schema import register, to_object
@@ -35,8 +37,7 @@ class RunApp:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     mode: str = "inprocess"
     warmup: bool = True
-    slo_ttft_s: float | None = None
-    slo_tpot_s: float | None = None
+    goodput: str | None = None  # vLLM's --goodput SLOs in ms, e.g. "ttft:500 tpot:50"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -56,7 +57,7 @@ def run_inprocess(app: RunApp, out_dir: Path) -> dict:
     requests = make_requests(generate(app.workload), vocab_size=engine.runner.vocab_size, seed=app.workload.seed)
     result = engine.run(requests)
     out_dir.mkdir(parents=True, exist_ok=True)
-    metrics = result.metrics(slo_ttft_s=app.slo_ttft_s, slo_tpot_s=app.slo_tpot_s)
+    metrics = result.metrics(**Goodput.parse(app.goodput).seconds())
     write_metrics_json(metrics, out_dir / "metrics.json")
     write_requests_csv(result.records, out_dir / "requests.csv")
     write_chrome_trace(result.trace_calls(),
@@ -81,9 +82,8 @@ def run_server(app: RunApp, out_dir: Path) -> dict:
         proc.wait_healthy(600.0)
         info = asyncio.run(fetch_model_info(proc.url))
         requests = make_requests(generate(app.workload), vocab_size=info["vocab_size"], seed=app.workload.seed)
-        slo = {"slo_ttft_ms": app.slo_ttft_s and app.slo_ttft_s * 1e3,
-               "slo_tpot_ms": app.slo_tpot_s and app.slo_tpot_s * 1e3}
-        result = asyncio.run(run_bench(requests, BenchConfig(url=proc.url, progress=False, **slo), model=info["id"]))
+        result = asyncio.run(run_bench(requests, BenchConfig(url=proc.url, progress=False, goodput=app.goodput),
+                                       model=info["id"]))
         if proc.stop() != 0:
             raise RuntimeError(f"the server exited badly; see {out_dir / 'server.log'}")
     write_outputs(result, out_dir)
@@ -93,6 +93,9 @@ def run_server(app: RunApp, out_dir: Path) -> dict:
 def run_real(app: RunApp, out_dir: Path) -> dict:
     """metrics.json, requests.csv, trace.json and run.json (trace analysis) in ``out_dir``."""
     metrics = run_inprocess(app, out_dir) if app.mode == "inprocess" else run_server(app, out_dir)
+    write_results_json(out_dir / "results.json", metrics, backend="miniserve" if app.mode == "inprocess" else "openai",
+                       label=app.scheduler.name, model_id=app.model.path or app.model.name, workload=app.workload,
+                       goodput=Goodput.parse(app.goodput))
     summary = summarize_trace(out_dir / "trace.json", app.scheduler.max_num_seqs).to_dict()
     (out_dir / "run.json").write_text(json.dumps({"mode": app.mode, "trace": summary}, indent=2) + "\n")
     return {**metrics, "trace": summary}

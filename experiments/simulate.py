@@ -3,8 +3,10 @@
     python -m experiments.simulate calibration.profile=DIR/profile.json [model=...] [scheduler=continuous]
         [workload=poisson workload.rate=4] [replicas=2 router=least_outstanding] [hydra.run.dir=OUT]
 
-Writes OUT/metrics.json and OUT/requests.csv with the same keys as real runs, trace.json (the
-engine's labels), timeseries.csv and sim.json; with ``capacity.enabled=true`` also capacity.json.
+Writes OUT/metrics.json and OUT/requests.csv with the same keys as real runs, results.json
+(``vllm bench serve --save-result``'s keys; ``goodput='ttft:500 tpot:50'`` as vLLM's ``--goodput``),
+trace.json (the engine's labels), timeseries.csv and sim.json; with ``capacity.enabled=true`` also
+capacity.json.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from engine.core.config import ModelConfig, SchedulerConfig
+from engine.observe.results import Goodput, write_results_json
 from engine.observe.workload import WorkloadConfig
 from experiments.schema import register, to_object
 from sim.run import SimOptions, find_capacity, load_cost_model, run_workload, write_outputs
@@ -50,8 +53,7 @@ class SimulateApp:
     calibration: SimCalibration = field(default_factory=SimCalibration)
     replicas: int = 1
     router: str = "round_robin"
-    slo_ttft_s: float | None = None  # goodput counts requests meeting these
-    slo_tpot_s: float | None = None
+    goodput: str | None = None  # vLLM's --goodput SLOs in ms, e.g. "ttft:500 tpot:50"
     keep_token_times: bool = True  # false: compact per-request records for million-request runs
     trace: bool = True
     timeseries: bool = True
@@ -65,7 +67,10 @@ def run_app(app: SimulateApp, out_dir: Path) -> dict:
     cost = load_cost_model(app.calibration.profile, app.model)
     options = SimOptions(app.replicas, app.router, app.keep_token_times, app.trace, app.timeseries)
     result = run_workload(cost, app.scheduler, app.workload, options)
-    metrics = write_outputs(result, out_dir, app.scheduler.max_num_seqs, app.slo_ttft_s, app.slo_tpot_s)
+    goodput = Goodput.parse(app.goodput)
+    metrics = write_outputs(result, out_dir, app.scheduler.max_num_seqs, goodput)
+    write_results_json(out_dir / "results.json", metrics, backend="miniserve-sim", label=app.scheduler.name,
+                       model_id=app.model.path or app.model.name, workload=app.workload, goodput=goodput)
     if app.capacity.enabled:
         cap = app.capacity
         found = find_capacity(cost, app.scheduler, app.workload, cap.low, cap.high, cap.slo_ttft_p99_s,

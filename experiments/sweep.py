@@ -1,8 +1,13 @@
-"""Sweeps: one job per (scheduler, batch cap, arrival rate), real or simulated, via Hydra multirun.
+"""Sweeps: one job per (scheduler, batch cap, load), real or simulated, via Hydra multirun.
 
     python -m experiments.sweep -m [backend=sim calibration.profile=P] [scheduler=serial,static,continuous]
-        [scheduler.max_num_seqs=4,8,16] [workload.rate=0.5,1,2]      # the defaults in conf/sweep.yaml
+        [scheduler.max_num_seqs=4,8,16] [load=0.2,0.4,0.6,0.8,1.0,1.2]    # the defaults in conf/sweep.yaml
+    python -m experiments.sweep -m ... load=null workload.rate=0.5,1,2  # absolute rates instead
     python -m experiments.sweep -m backend=real model=tiny ...          # real runs, one at a time
+
+``load`` is the arrival rate as a fraction of each configuration's own simulated saturation
+throughput (sim.run.saturation_rate, as experiments.validate uses), so every curve has points
+below and above its knee whatever the machine's profile; it needs calibration.profile for real runs too.
 
 Each job writes its own dir (metrics.json, requests.csv, trace.json, job.json); ``experiments.report``
 reads a sweep dir. Simulated jobs run in parallel on the joblib launcher; real jobs run one at a
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import hydra
@@ -24,7 +29,7 @@ from omegaconf import OmegaConf
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.observe.workload import WorkloadConfig
 from experiments.schema import register, to_object
-from sim.run import SimOptions, load_cost_model, run_workload, write_outputs
+from sim.run import SimOptions, load_cost_model, run_workload, saturation_rate, write_outputs
 
 BACKENDS = ("sim", "real")
 
@@ -42,10 +47,17 @@ class SweepApp:
     backend: str = "sim"
     calibration: ProfilePath = field(default_factory=ProfilePath)
     warmup: bool = True
+    load: float | None = None  # rate = load × this configuration's simulated saturation throughput
+    saturation_requests: int = 64  # the simulated burst that measures saturation
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.load is not None and not self.load > 0:
+            raise ValueError(f"load must be > 0 (a fraction of saturation throughput), got {self.load}")
+        if self.load is not None and self.workload.arrival not in ("poisson", "gamma"):
+            raise ValueError(f"load sets an arrival rate: it needs workload=poisson or gamma, "
+                             f"not arrival={self.workload.arrival}")
 
 
 register("sweep_schema", SweepApp)
@@ -57,20 +69,25 @@ OmegaConf.register_new_resolver("sweep_jobs", lambda backend: 1 if backend == "r
 def run_job(app: SweepApp, out_dir: Path) -> dict:
     """One point of the sweep; job.json says which, so a report can group jobs without Hydra."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    if app.backend == "sim":
+    workload, saturation = app.workload, None
+    if app.load is not None or app.backend == "sim":
         cost = load_cost_model(app.calibration.profile, app.model)
-        metrics = write_outputs(run_workload(cost, app.scheduler, app.workload, SimOptions()), out_dir,
+    if app.load is not None:
+        saturation = saturation_rate(cost, app.scheduler, app.workload, app.saturation_requests)
+        workload = replace(app.workload, rate=app.load * saturation)
+    if app.backend == "sim":
+        metrics = write_outputs(run_workload(cost, app.scheduler, workload, SimOptions()), out_dir,
                                 app.scheduler.max_num_seqs)
     else:
         from experiments.run import RunApp, run_real
 
-        metrics = run_real(RunApp(app.model, app.scheduler, app.workload, warmup=app.warmup), out_dir)
+        metrics = run_real(RunApp(app.model, app.scheduler, workload, warmup=app.warmup), out_dir)
     job = {"backend": app.backend, "model": app.model.name, "scheduler": app.scheduler.name,
-           "max_num_seqs": app.scheduler.max_num_seqs, "arrival": app.workload.arrival,
-           "rate": app.workload.rate, "num_requests": app.workload.num_requests,
-           "scheduler_config": asdict(app.scheduler)}
+           "max_num_seqs": app.scheduler.max_num_seqs, "arrival": workload.arrival,
+           "rate": workload.rate, "load": app.load, "saturation_req_s": saturation,
+           "num_requests": workload.num_requests, "scheduler_config": asdict(app.scheduler)}
     (out_dir / "job.json").write_text(json.dumps(job, indent=2) + "\n")
-    return metrics
+    return {**metrics, "rate": workload.rate}
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="sweep")
@@ -78,8 +95,9 @@ def main(cfg) -> None:
     app: SweepApp = to_object(cfg)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     m = run_job(app, out_dir)
-    print(f"{app.backend} {app.scheduler.name} max_num_seqs={app.scheduler.max_num_seqs} "
-          f"rate={app.workload.rate}: {m['output_throughput_tok_s']:.1f} out tok/s, "
+    load = f" load={app.load:g}" if app.load is not None else ""
+    print(f"{app.backend} {app.scheduler.name} max_num_seqs={app.scheduler.max_num_seqs}{load} "
+          f"rate={m['rate']:.3g}: {m['output_throughput_tok_s']:.1f} out tok/s, "
           f"TTFT p99 {m['ttft_s']['p99']:.3f} s, E2E p99 {m['e2el_s']['p99']:.3f} s")
 
 

@@ -32,7 +32,7 @@ from engine.observe.trace import parse_label, summarize_calls
 from engine.observe.workload import WorkloadConfig, generate, make_requests
 from experiments.report_table import format_table
 from experiments.schema import register, to_object
-from sim.run import load_cost_model
+from sim.run import load_cost_model, saturation_rate
 from sim.simulator import simulate
 from sim.executors import CostModelExecutor
 
@@ -96,13 +96,6 @@ class Row:
     name: str
     scheduler: SchedulerConfig
     workload: WorkloadConfig
-
-
-def saturation_rate(cost: CostModel, scheduler: SchedulerConfig, workload: WorkloadConfig, n: int) -> float:
-    """Requests/s the configuration sustains when it never waits for work: a simulated burst."""
-    burst = replace(workload, arrival="burst", num_requests=n)
-    result = simulate(make_requests(generate(burst)), scheduler, lambda: CostModelExecutor(cost))
-    return result.metrics()["request_throughput_req_s"]
 
 
 def matrix_rows(app: ValidateApp, cost: CostModel) -> list[Row]:

@@ -164,10 +164,10 @@ class RequestLog:
                 "tpot_s": tpot, "e2e_s": e2e, "queue_s": first_sched - arrival, "num_preemptions": preempt}
 
     def summarize(self, duration_s: float | None = None, slo_ttft_s: float | None = None,
-                  slo_tpot_s: float | None = None) -> dict:
+                  slo_tpot_s: float | None = None, slo_e2el_s: float | None = None) -> dict:
         """engine.observe.metrics.summarize's dict, computed from whichever form was kept."""
         if self.keep_token_times:
-            return summarize(self.records, duration_s, slo_ttft_s, slo_tpot_s)
+            return summarize(self.records, duration_s, slo_ttft_s, slo_tpot_s, slo_e2el_s)
         c = self.columns()
         done = c["output_tokens"] > 0
         if duration_s is None:
@@ -178,6 +178,8 @@ class RequestLog:
             good &= c["ttft_s"] <= slo_ttft_s
         if slo_tpot_s is not None:
             good &= np.isnan(c["tpot_s"]) | (c["tpot_s"] <= slo_tpot_s)
+        if slo_e2el_s is not None:
+            good &= c["e2e_s"] <= slo_e2el_s
         out_tokens = int(c["output_tokens"][done].sum())
         in_tokens = int(c["prompt_tokens"][done].sum())
         n_done = int(done.sum())

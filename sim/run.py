@@ -9,7 +9,9 @@ from pathlib import Path
 
 from calibration.cost_model import CostModel
 from engine.core.config import ModelConfig, SchedulerConfig
+from engine.core.model_shape import config_fingerprint
 from engine.observe.metrics import write_metrics_json
+from engine.observe.results import Goodput
 from engine.observe.trace import summarize_trace, write_chrome_trace
 from engine.observe.workload import WorkloadConfig
 from sim import workload_requests
@@ -31,11 +33,7 @@ def load_cost_model(profile: str | None, model: ModelConfig | None = None) -> Co
             "calibration.profile=DIR/profile.json")
     if not Path(profile).is_file():
         raise MissingProfileError(f"calibration.profile={profile} does not exist")
-    expect = None
-    if model is not None:
-        from engine.model.loader import config_fingerprint  # reads the model's config; torch is imported
-        expect = config_fingerprint(model)
-    return CostModel.load(profile, expect_fingerprint=expect)
+    return CostModel.load(profile, expect_fingerprint=config_fingerprint(model) if model is not None else None)
 
 
 @dataclass(frozen=True)
@@ -55,6 +53,14 @@ def run_workload(cost: CostModel, scheduler: SchedulerConfig, workload: Workload
                     timeseries=options.timeseries, keep_token_times=options.keep_token_times)
 
 
+def saturation_rate(cost: CostModel, scheduler: SchedulerConfig, workload: WorkloadConfig, n: int = 64) -> float:
+    """Requests/s the configuration sustains when it never waits for work: a simulated burst of
+    ``n`` requests with the workload's lengths. Sweeps and validation state load as a fraction of it."""
+    burst = replace(workload, arrival="burst", num_requests=n)
+    return run_workload(cost, scheduler, burst, SimOptions(trace=False, timeseries=False)).metrics()[
+        "request_throughput_req_s"]
+
+
 def write_timeseries_csv(series: TimeSeries, path: Path) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
@@ -62,12 +68,11 @@ def write_timeseries_csv(series: TimeSeries, path: Path) -> None:
         w.writerows(series.rows())
 
 
-def write_outputs(result: SimResult, out_dir: Path, max_num_seqs: int, slo_ttft_s: float | None = None,
-                  slo_tpot_s: float | None = None) -> dict:
+def write_outputs(result: SimResult, out_dir: Path, max_num_seqs: int, goodput: Goodput = Goodput()) -> dict:
     """metrics.json and requests.csv (real runs' keys), trace JSON per replica, timeseries.csv,
     and sim.json (what only a simulation knows: steps, replicas, each trace's summary)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    metrics = result.metrics(slo_ttft_s, slo_tpot_s)
+    metrics = result.log.summarize(result.duration_s, **goodput.seconds())
     write_metrics_json(metrics, out_dir / "metrics.json")
     result.log.write_csv(out_dir / "requests.csv")
     info: dict = {"num_steps": result.num_steps, "num_replicas": result.num_replicas, "traces": {}}

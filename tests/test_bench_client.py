@@ -25,7 +25,7 @@ def test_metrics_follow_vllm_definitions_and_count_failures():
                record("b", 0.1, [0.3, 1.3], arrival=0.002),
                record("c", 0.2, [], finish=None, code=429, error="the waiting queue is full"),
                record("d", 0.3, [0.6, 0.8], finish="abort", error="server shutting down")]
-    m = bench_metrics(records, duration_s=2.0, cfg=BenchConfig(slo_ttft_ms=300))
+    m = bench_metrics(records, duration_s=2.0, cfg=BenchConfig(goodput="ttft:300"))
     assert (m["completed"], m["failed"], m["rejected_429"]) == (2, 2, 1)
     assert m["total_output_tokens"] == 5 and m["output_throughput_tok_s"] == pytest.approx(2.5)
     assert m["ttft_s"]["mean"] == pytest.approx((0.5 + 0.2) / 2)
@@ -47,7 +47,7 @@ def test_outputs_round_trip_through_engine_metrics(tmp_path):
     assert (tmp_path / "metrics.json").is_file() and (tmp_path / "http_requests.csv").is_file()
 
 
-@pytest.mark.parametrize("bad", [{"max_concurrency": 0}, {"slo_ttft_ms": -1.0}, {"timeout_s": 0.0}])
+@pytest.mark.parametrize("bad", [{"max_concurrency": 0}, {"goodput": "ttft:-1"}, {"goodput": "latency:5"}, {"timeout_s": 0.0}])
 def test_bench_config_refuses_nonsense(bad):
     with pytest.raises(ValueError):
         BenchConfig(**bad)

@@ -19,7 +19,7 @@ from calibration.profiler import Measurement, step_overheads
 from calibration.roofline import Machine, ModelShape, call_work, roofline_s
 from engine.core.config import ModelConfig
 from engine.llm_engine import StepRecord
-from engine.model.loader import config_fingerprint
+from engine.core.model_shape import config_fingerprint
 from engine.core.plan import BatchPlan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,10 +164,14 @@ def test_roofline_counts_weights_kv_and_flops():
 
 def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tmp_path):
     out = subprocess.run([sys.executable, "-m", "experiments.calibrate", "model=tiny", "calibration.grid=quick",
-                          "model.num_threads=1", "calibration.progress=false", f"hydra.run.dir={tmp_path}"],
+                          "model.num_threads=1", f"hydra.run.dir={tmp_path}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "held out" in out.stdout and "roofline" in out.stdout
+    # progress is on by default, but off a terminal only one summary line reaches the output and the log
+    log = (tmp_path / "calibrate.log").read_text()
+    assert "\r" not in out.stdout + out.stderr + log and "calibrating" not in out.stderr
+    assert "repeats in" in log and "calls measured again" in log
     data = json.loads((tmp_path / "profile.json").read_text())
     assert 0 <= data["fit"]["heldout_mape"] and 0 <= data["fit"]["heldout_max_error"]
     assert data["fit"]["heldout_max_error"] >= data["fit"]["heldout"]["median_error"]

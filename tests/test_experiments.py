@@ -54,10 +54,12 @@ def test_trace_workload_needs_a_path_and_local_model_needs_a_path():
     ("workload.rate=fast", "rate"),
     ("backend=gpu", "backend must be one of"),
     ("scheduler.name=fifo", "scheduler.name must be one of"),
+    ("load=0", "load must be > 0"),
+    ("workload=seed_burst load=0.5", "load sets an arrival rate"),
 ])
 def test_bad_sweep_overrides_fail_clearly(override, error):
     with pytest.raises((ConfigCompositionException, ValueError), match=error):
-        to_object(composed("sweep", [override]))
+        to_object(composed("sweep", override.split()))
 
 
 def test_unknown_group_option_fails_at_compose_time():
@@ -80,7 +82,7 @@ def tiny_profile(tmp_path_factory):
 
 def test_tiny_sweep_real_and_simulated_then_report(tmp_path, tiny_profile):
     common = ["model=tiny", "model.num_threads=1", "scheduler=static,continuous", "scheduler.max_num_seqs=4",
-              "workload.num_requests=10", "workload.rate=20,80", f"calibration.profile={tiny_profile}"]
+              "workload.num_requests=10", "load=0.5,1.2", f"calibration.profile={tiny_profile}"]
     run_app("experiments.sweep", "-m", "backend=sim", *common, f"hydra.sweep.dir={tmp_path / 'sim'}")
     run_app("experiments.sweep", "-m", "backend=real", *common, f"hydra.sweep.dir={tmp_path / 'real'}")
     jobs = sorted(p.parent for p in tmp_path.glob("*/*/job.json"))
@@ -89,6 +91,7 @@ def test_tiny_sweep_real_and_simulated_then_report(tmp_path, tiny_profile):
         job = json.loads((d / "job.json").read_text())
         m = json.loads((d / "metrics.json").read_text())
         assert m["completed"] == 10 and job["max_num_seqs"] == 4
+        assert job["load"] in (0.5, 1.2) and job["rate"] == pytest.approx(job["load"] * job["saturation_req_s"])
     out = run_app("experiments.report", f"sweep_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'report'}")
     sweep_csv = pd.read_csv(tmp_path / "report" / "sweep.csv")
     assert set(sweep_csv.backend) == {"sim", "real"} and len(sweep_csv) == 8

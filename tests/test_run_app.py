@@ -8,6 +8,7 @@ import pytest
 
 from engine.observe.metrics import read_requests_csv
 from engine.observe.trace import summarize_trace
+from tests.test_results import check_vllm_keys
 
 
 @pytest.mark.parametrize("mode", ["inprocess", "server"])
@@ -18,6 +19,9 @@ def test_real_run_writes_metrics_requests_and_trace(tmp_path, mode):
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     records = read_requests_csv(tmp_path / "requests.csv")
     assert metrics["completed"] == len(records) == 8
+    results = json.loads((tmp_path / "results.json").read_text())
+    check_vllm_keys(results)
+    assert results["completed"] == 8 and results["backend"] == ("miniserve" if mode == "inprocess" else "openai")
     assert metrics["total_output_tokens"] == sum(r.output_tokens for r in records) == 80  # 2 × (4+16+8+12)
     run = json.loads((tmp_path / "run.json").read_text())
     trace = summarize_trace(tmp_path / "trace.json", max_num_seqs=4)

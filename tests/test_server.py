@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 
 import httpx
@@ -17,6 +19,7 @@ from engine.serving.app import ServerConfig, parse_prometheus
 from experiments.server_process import ServerProcess, free_port
 from engine.observe.workload import LengthDist, WorkloadConfig, generate, make_requests
 from tests.helpers import create_requests
+from tests.test_results import check_vllm_keys
 
 MODEL = ModelConfig(name="tiny", num_threads=1)  # one thread: the test machine's cores are shared
 SCHEDULER = SchedulerConfig(name="continuous", max_num_seqs=4)
@@ -191,6 +194,20 @@ def test_max_concurrency_caps_requests_in_flight(server):
     spans = [(r.send_s, r.end_s) for r in result.records]
     most = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
     assert most <= 3
+
+
+def test_bench_app_takes_vllm_flags_and_writes_results_json(server, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "experiments.bench", "--base-url", server.url, "--request-rate", "50",
+                          "--num-prompts", "6", "--max-concurrency", "2", "--goodput", "ttft:60000", "tpot:60000",
+                          "--disable-tqdm", f"hydra.run.dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    check_vllm_keys(results)
+    assert (results["completed"], results["max_concurrency"], results["request_rate"]) == (6, 2, 50.0)
+    assert results["request_goodput"] == pytest.approx(results["request_throughput"])  # generous SLOs: all good
+    assert "sent 6 requests" in out.stdout + out.stderr  # the one-line summary, no progress bar off a terminal
+    assert "\r" not in (tmp_path / "bench.log").read_text()
 
 
 def test_health_models_and_metrics_report_the_engine(server):

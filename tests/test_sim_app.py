@@ -13,12 +13,13 @@ from hydra.errors import ConfigCompositionException
 from calibration.cost_model import ProfileMismatchError
 from engine.core.config import ModelConfig
 from engine.observe.metrics import REQUEST_COLUMNS, summarize
-from engine.model.loader import config_fingerprint
+from engine.core.model_shape import config_fingerprint
 from engine.observe.trace import summarize_trace
 from experiments.schema import to_object
 from experiments.simulate import SimulateApp, run_app
 from sim.run import MissingProfileError
 from sim.executors import cost_model_from
+from tests.test_results import check_vllm_keys
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -39,11 +40,16 @@ def test_app_writes_the_real_runs_files(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "experiments.simulate", "model=tiny", f"calibration.profile={profile}",
                            "workload=gamma", "workload.num_requests=40", "workload.rate=20", "replicas=2",
-                           "router=least_outstanding", f"hydra.run.dir={out}"],
+                           "router=least_outstanding", "goodput=ttft:100 tpot:5", f"hydra.run.dir={out}"],
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics.keys() == summarize([]).keys() and metrics["completed"] == 40
+    results = json.loads((out / "results.json").read_text())
+    check_vllm_keys(results)
+    assert results["completed"] == 40 and results["request_rate"] == 20.0 and results["burstiness"] == 0.25
+    assert results["request_goodput"] == pytest.approx(metrics["goodput_req_s"]) and results["goodput"] == "ttft:100 tpot:5"
+    assert results["p99_ttft_ms"] == pytest.approx(1e3 * metrics["ttft_s"]["p99"])
     with open(out / "requests.csv") as f:
         rows = list(csv.DictReader(f))
     assert tuple(rows[0]) == REQUEST_COLUMNS and len(rows) == 40

@@ -76,3 +76,39 @@ def test_splitwise_trace_columns_are_read(tmp_path):
     path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n3.5,374,44\n7.8,396,109\n")
     wl = generate(WorkloadConfig(arrival="trace", path=str(path), num_requests=100))
     assert wl.arrival_s.tolist() == pytest.approx([0.0, 4.3]) and wl.output_tokens.tolist() == [44, 109]
+
+
+def test_a_trace_replays_whole_unless_num_requests_is_set_and_says_so(tmp_path, caplog):
+    path = tmp_path / "t.csv"
+    path.write_text("arrival_s,prompt_tokens,output_tokens\n" + "".join(f"{i},10,{i % 3}\n" for i in range(30)))
+    with caplog.at_level("INFO", logger="engine.observe.workload"):
+        whole = generate(WorkloadConfig(arrival="trace", path=str(path), num_requests=None))
+    assert len(whole) == 20  # the ten rows with output 0 are left out
+    assert f"trace {path}: 30 rows read, 10 skipped (10 with no prompt or output tokens), 20 replayed" in caplog.text
+    assert len(generate(WorkloadConfig(arrival="trace", path=str(path), num_requests=5))) == 5
+    with pytest.raises(ValueError, match="only a trace"):
+        WorkloadConfig(arrival="poisson", num_requests=None)
+
+
+def test_clipped_lengths_are_counted(trace_path, caplog):
+    with caplog.at_level("INFO", logger="engine.observe.workload"):
+        wl = generate(WorkloadConfig(arrival="trace", path=trace_path, num_requests=None,
+                                     prompt=LengthDist(max=150)))
+    assert wl.prompt_tokens.tolist() == [100, 150, 150]
+    assert "3 rows read, 0 skipped (none), 3 replayed, 2 with lengths clipped" in caplog.text
+
+
+@pytest.mark.parametrize("text, error", [
+    ("arrival_s,prompt_tokens,output_tokens\n0,10,5\n1,ten,5\n", "line 3: expected a time and two token counts"),
+    ("arrival_s,prompt_tokens,output_tokens\n2,10,5\n1,10,5\n", "line 3: arrival 1.0 comes before"),
+    ("arrival_s,prompt,output_tokens\n0,10,5\n", "no prompt_tokens column"),
+    ("arrival_s,prompt_tokens,output_tokens\n", "holds no requests"),
+    ("arrival_s,prompt_tokens,output_tokens\n0,0,5\n", "holds no requests"),
+])
+def test_a_bad_trace_is_a_clear_error(tmp_path, text, error):
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=error):
+        generate(WorkloadConfig(arrival="trace", path=str(path), num_requests=None))
+    with pytest.raises(ValueError, match="cannot read trace"):
+        generate(WorkloadConfig(arrival="trace", path=str(tmp_path / "missing.csv"), num_requests=None))

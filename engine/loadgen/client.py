@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import logging
 import math
 import time
 from contextlib import nullcontext
@@ -24,31 +25,31 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from engine.observe.metrics import RequestRecord, distribution, summarize, write_metrics_json, write_requests_csv
 from engine.core.request import Request
+from engine.observe.metrics import RequestRecord, distribution, summarize, write_metrics_json, write_requests_csv
+from engine.observe.results import Goodput
+
+log = logging.getLogger(__name__)
 
 FINISHED = {"length": "FINISHED_LENGTH", "stop": "FINISHED_STOPPED"}
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """``slo_*_ms`` define goodput (vLLM's ``--goodput ttft:MS tpot:MS``)."""
+    """``goodput``: vLLM's ``--goodput`` SLOs in ms, e.g. ``"ttft:500 tpot:50"``. ``progress``: a
+    bar on a terminal only (never into a log file); the run ends with one summary line either way."""
 
     url: str = "http://127.0.0.1:8000"
     max_concurrency: int | None = None
     ignore_eos: bool = True
-    slo_ttft_ms: float | None = None
-    slo_tpot_ms: float | None = None
+    goodput: str | None = None
     timeout_s: float = 600.0
     progress: bool = True
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"bench.max_concurrency must be >= 1, got {self.max_concurrency}")
-        for name in ("slo_ttft_ms", "slo_tpot_ms"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"bench.{name} must be > 0, got {value}")
+        Goodput.parse(self.goodput)  # a malformed SLO fails here, before any request is sent
         if not self.timeout_s > 0:
             raise ValueError(f"bench.timeout_s must be > 0, got {self.timeout_s}")
 
@@ -170,7 +171,7 @@ async def run_bench(requests: list[Request], cfg: BenchConfig, model: str | None
     width = cfg.max_concurrency or len(requests)
     limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
     gate = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else nullcontext()
-    bar = tqdm(total=len(requests), disable=not cfg.progress, desc="requests", unit="req")
+    bar = tqdm(total=len(requests), disable=None if cfg.progress else True, desc="requests", unit="req")
     async with httpx.AsyncClient(base_url=cfg.url, timeout=httpx.Timeout(cfg.timeout_s), limits=limits) as client:
         t0 = time.perf_counter()
         for record in records:
@@ -185,15 +186,17 @@ async def run_bench(requests: list[Request], cfg: BenchConfig, model: str | None
         await asyncio.gather(*(one(q, r) for q, r in zip(requests, records)))
         duration = time.perf_counter() - t0
     bar.close()
-    return BenchResult(records, duration, bench_metrics(records, duration, cfg))
+    metrics = bench_metrics(records, duration, cfg)
+    log.info(f"sent {len(records)} requests in {duration:.1f} s: {metrics['completed']} completed, "
+             f"{metrics['failed']} failed, {metrics['output_throughput_tok_s']:.1f} out tok/s")
+    return BenchResult(records, duration, metrics)
 
 
 def bench_metrics(records: list[HttpRecord], duration_s: float, cfg: BenchConfig) -> dict:
     """engine.observe.metrics' summary of the requests that completed, plus failures and HTTP overhead."""
     ok = [r for r in records if r.ok]
-    slo = {"slo_ttft_s": cfg.slo_ttft_ms / 1e3 if cfg.slo_ttft_ms else None,
-           "slo_tpot_s": cfg.slo_tpot_ms / 1e3 if cfg.slo_tpot_ms else None}
-    metrics = summarize([r.to_request_record() for r in ok], duration_s, **slo)
+    goodput = Goodput.parse(cfg.goodput)
+    metrics = summarize([r.to_request_record() for r in ok], duration_s, **goodput.seconds())
     metrics["failed"] = len(records) - len(ok)
     metrics["rejected_429"] = sum(r.status_code == 429 for r in records)
     metrics["errors"] = sorted({r.error for r in records if r.error})[:10]
@@ -207,7 +210,7 @@ def bench_metrics(records: list[HttpRecord], duration_s: float, cfg: BenchConfig
     metrics["http_ingress_s"] = distribution(i for i, _ in split)
     metrics["http_egress_first_token_s"] = distribution(e for _, e in split)
     metrics["max_concurrency"] = cfg.max_concurrency
-    metrics["slo_ttft_ms"], metrics["slo_tpot_ms"] = cfg.slo_ttft_ms, cfg.slo_tpot_ms
+    metrics["goodput"] = goodput.spec()
     return metrics
 
 
@@ -242,7 +245,7 @@ def format_summary(m: dict) -> str:
     row("Total input tokens:", m["total_input_tokens"])
     row("Total generated tokens:", m["total_output_tokens"])
     row("Request throughput (req/s):", f"{m['request_throughput_req_s']:.2f}")
-    if m.get("slo_ttft_ms") or m.get("slo_tpot_ms"):
+    if m.get("goodput"):
         row("Request goodput (req/s):", f"{m['goodput_req_s']:.2f}")
     row("Output token throughput (tok/s):", f"{m['output_throughput_tok_s']:.2f}")
     row("Total token throughput (tok/s):", f"{m['total_token_throughput_tok_s']:.2f}")

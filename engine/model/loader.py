@@ -2,45 +2,27 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import types
-from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from engine.model.attention import ATTN_IMPLEMENTATION
 from engine.core.config import ModelConfig
+from engine.core.model_shape import config_path, read_config_json
+from engine.model.attention import ATTN_IMPLEMENTATION
 from engine.model.tokenizer import byte_tokenizer
 
-CONFIG_DIR = Path(__file__).parents[1] / "configs"
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def load_hf_config(model_config: ModelConfig) -> PretrainedConfig:
+    """transformers' config for the model; the JSON is found and its model type checked by
+    ``engine.core.model_shape``, which also gives the fingerprint (torch-free)."""
+    config_json = read_config_json(model_config)
     if model_config.path is not None:
-        path = Path(model_config.path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model.path {path} has no config.json (a local checkpoint directory is needed)")
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    else:
-        config = AutoConfig.for_model(**json.loads((CONFIG_DIR / f"{model_config.name}.json").read_text()))
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model type {config.model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}")
-    return config
-
-
-def config_fingerprint(model_config: ModelConfig) -> str:
-    """Hash of what determines cost: architecture shapes and dtype (not weights, not seed)."""
-    cfg = load_hf_config(model_config).to_dict()
-    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
-    shape = {k: cfg.get(k) for k in keys}
-    shape["dtype"] = model_config.dtype
-    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+        return AutoConfig.from_pretrained(config_path(model_config).parent, local_files_only=True)
+    return AutoConfig.for_model(**config_json)
 
 
 def pack_linear_weights(model: PreTrainedModel) -> int:

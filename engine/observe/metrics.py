@@ -85,10 +85,12 @@ def distribution(values: Iterable[float]) -> dict[str, float]:
 
 
 def summarize(records: Sequence[RequestRecord], duration_s: float | None = None,
-              slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> dict:
+              slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
+              slo_e2el_s: float | None = None) -> dict:
     """Run-level metrics. ``duration_s`` defaults to first arrival → last token.
 
-    Goodput counts requests meeting every SLO given (vLLM's ``--goodput``).
+    Goodput counts requests meeting every SLO given (vLLM's ``--goodput``; engine.observe.results
+    parses its syntax).
     """
     done = [r for r in records if r.token_times_s]
     if duration_s is None:
@@ -98,7 +100,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float | None = None,
     per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: math.nan)
     good = [r for r in done
             if (slo_ttft_s is None or r.ttft_s <= slo_ttft_s)
-            and (slo_tpot_s is None or math.isnan(r.tpot_s) or r.tpot_s <= slo_tpot_s)]
+            and (slo_tpot_s is None or math.isnan(r.tpot_s) or r.tpot_s <= slo_tpot_s)
+            and (slo_e2el_s is None or r.e2e_s <= slo_e2el_s)]
     itls = np.concatenate([r.itl_s for r in done]) if done else np.array([])
     return {
         "completed": len(done),

@@ -7,6 +7,7 @@ requests for the same settings.
 from __future__ import annotations
 
 import csv
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -15,6 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from engine.core.request import Request
+
+log = logging.getLogger(__name__)
 
 ARRIVALS = ("burst", "poisson", "gamma", "trace", "closed_loop")
 LENGTH_KINDS = ("fixed", "cycle", "uniform", "lognormal", "empirical")
@@ -75,12 +78,13 @@ class WorkloadConfig:
     """``burst``: all at t=0; ``poisson`` at ``rate`` req/s; ``gamma`` at ``rate`` with
     ``burstiness`` (gamma shape: 1 is Poisson, < 1 burstier); ``trace``: a CSV of
     arrival_s, prompt_tokens, output_tokens whose times are divided by ``time_scale``
-    and lengths multiplied by ``length_scale`` (to fit a CPU); ``closed_loop``: ``concurrency``
+    and lengths multiplied by ``length_scale`` (to fit a CPU), every row replayed unless
+    ``num_requests`` is set (then the first ones); ``closed_loop``: ``concurrency``
     clients, each issuing its next request the moment its previous one finishes (arrival times
     are then decided by the run, not here)."""
 
     arrival: str = "burst"
-    num_requests: int = 16
+    num_requests: int | None = 16  # None: the whole trace (arrival=trace only)
     rate: float = 1.0
     burstiness: float = 1.0
     prompt: LengthDist = field(default_factory=LengthDist)
@@ -94,7 +98,9 @@ class WorkloadConfig:
     def __post_init__(self) -> None:
         if self.arrival not in ARRIVALS:
             raise ValueError(f"workload.arrival must be one of {ARRIVALS}, got {self.arrival!r}")
-        if self.num_requests < 1:
+        if self.num_requests is None and self.arrival != "trace":
+            raise ValueError(f"workload.num_requests is needed for arrival={self.arrival} (only a trace has its own)")
+        if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"workload.num_requests must be >= 1, got {self.num_requests}")
         if not (self.rate > 0 and self.burstiness > 0 and self.time_scale > 0 and self.length_scale > 0):
             raise ValueError("workload.rate, burstiness, time_scale and length_scale must be > 0")
@@ -121,37 +127,85 @@ class Workload:
 @lru_cache(maxsize=8)
 def _trace_column(path: str, column: str) -> np.ndarray:
     """One length column of a trace, read once per process (empirical distributions sample it)."""
-    trace = read_trace(path)
+    trace = read_trace(path).workload
     return trace.prompt_tokens if column == "prompt_tokens" else trace.output_tokens
 
 
-def read_trace(path: str | Path) -> Workload:
-    with open(path, newline="") as f:
+@dataclass(frozen=True)
+class TraceRead:
+    """What reading a trace found: rows in the file, rows left out (by reason) and the requests kept."""
+
+    path: str
+    rows: int
+    skipped: dict[str, int]
+    workload: Workload
+
+    def summary(self, replayed: int, clipped: int = 0) -> str:
+        skipped = sum(self.skipped.values())
+        reasons = ", ".join(f"{n} {why}" for why, n in self.skipped.items()) or "none"
+        line = (f"trace {self.path}: {self.rows} rows read, {skipped} skipped ({reasons}), "
+                f"{replayed} replayed")
+        return line + (f", {clipped} with lengths clipped to workload.prompt.max/output.max" if clipped else "")
+
+
+def read_trace(path: str | Path) -> TraceRead:
+    """Every row of a trace CSV. A row with a prompt or output of no tokens is skipped (and
+    counted: it has nothing to serve); a row that is not numbers, a missing column, times that go
+    backwards or an empty trace are errors naming the line."""
+    try:
+        f = open(path, newline="")
+    except OSError as err:
+        raise ValueError(f"cannot read trace {path}: {err.strerror}") from err
+    with f:
         reader = csv.DictReader(f)
         names = {}
         for ours, candidates in TRACE_COLUMNS.items():
             found = [c for c in candidates if c in (reader.fieldnames or ())]
             if not found:
-                raise ValueError(f"trace {path} has no {ours} column (tried {candidates})")
+                raise ValueError(f"trace {path} has no {ours} column (tried {candidates}; "
+                                 f"its header is {reader.fieldnames})")
             names[ours] = found[0]
-        rows = [(float(r[names["arrival_s"]]), int(r[names["prompt_tokens"]]), int(r[names["output_tokens"]]))
-                for r in reader]
+        rows, skipped, last = [], {}, -float("inf")
+        for line, r in enumerate(reader, start=2):
+            try:
+                t, p, o = (float(r[names["arrival_s"]]), int(r[names["prompt_tokens"]]),
+                           int(r[names["output_tokens"]]))
+            except (TypeError, ValueError):
+                raise ValueError(f"trace {path} line {line}: expected a time and two token counts, got "
+                                 f"{[r.get(n) for n in names.values()]}") from None
+            if t < last:
+                raise ValueError(f"trace {path} line {line}: arrival {t} comes before the previous row's {last}")
+            last = t
+            if p < 1 or o < 1:
+                why = "with no prompt or output tokens"
+                skipped[why] = skipped.get(why, 0) + 1
+                continue
+            rows.append((t, p, o))
     if not rows:
-        raise ValueError(f"trace {path} holds no requests")
+        raise ValueError(f"trace {path} holds no requests" + (f" (skipped: {skipped})" if skipped else ""))
     arr = np.asarray(rows, dtype=float)
-    return Workload(arr[:, 0], arr[:, 1].astype(np.int64), arr[:, 2].astype(np.int64))
+    workload = Workload(arr[:, 0], arr[:, 1].astype(np.int64), arr[:, 2].astype(np.int64))
+    return TraceRead(str(path), len(rows) + sum(skipped.values()), skipped, workload)
+
+
+def trace_workload(cfg: WorkloadConfig) -> Workload:
+    """The trace's requests, its first ``num_requests`` if set, scaled and clipped; says how many."""
+    read = read_trace(cfg.path)
+    trace = read.workload
+    take = slice(0, len(trace) if cfg.num_requests is None else min(cfg.num_requests, len(trace)))
+    arrival = (trace.arrival_s[take] - trace.arrival_s[0]) / cfg.time_scale
+    prompt = np.maximum(1, np.rint(trace.prompt_tokens[take] * cfg.length_scale)).astype(np.int64)
+    output = np.maximum(1, np.rint(trace.output_tokens[take] * cfg.length_scale)).astype(np.int64)
+    clipped = int(np.count_nonzero((prompt > cfg.prompt.max) | (output > cfg.output.max)))
+    log.info(read.summary(len(arrival), clipped))
+    return Workload(arrival, np.minimum(prompt, cfg.prompt.max), np.minimum(output, cfg.output.max))
 
 
 def generate(cfg: WorkloadConfig) -> Workload:
+    if cfg.arrival == "trace":
+        return trace_workload(cfg)
     rng = np.random.default_rng(cfg.seed)
     n = cfg.num_requests
-    if cfg.arrival == "trace":
-        trace = read_trace(cfg.path)
-        take = slice(0, min(n, len(trace)))
-        arrival = (trace.arrival_s[take] - trace.arrival_s[0]) / cfg.time_scale
-        scale = lambda x: np.maximum(1, np.rint(x[take] * cfg.length_scale)).astype(np.int64)  # noqa: E731
-        return Workload(arrival, np.minimum(scale(trace.prompt_tokens), cfg.prompt.max),
-                        np.minimum(scale(trace.output_tokens), cfg.output.max))
     if cfg.arrival in ("burst", "closed_loop"):
         arrival = np.zeros(n)
     else:
