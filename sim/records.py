@@ -9,14 +9,14 @@ ITL percentiles are within ``ItlSketch.RELATIVE_ERROR``. Both give metrics.json 
 
 from __future__ import annotations
 
-import csv
 import math
 from array import array
 from pathlib import Path
 
 import numpy as np
 
-from engine.observe.metrics import PERCENTILES, REQUEST_COLUMNS, RequestRecord, distribution, summarize
+from engine.observe.metrics import (PERCENTILES, RequestRecord, distribution, record_columns, request_columns,
+                                   summarize, summarize_columns, write_columns_csv, write_requests_csv)
 from engine.core.request import Request
 
 
@@ -95,6 +95,12 @@ class ItlSketch:
         return out
 
 
+def _numpy(a: array) -> np.ndarray:
+    """A typed array's values without a copy ('d': float64, 'q': int64)."""
+    dtype = np.float64 if a.typecode == "d" else np.int64
+    return np.frombuffer(a, dtype=dtype) if a else np.zeros(0, dtype=dtype)
+
+
 class RequestLog:
     """Finished requests of one simulated run."""
 
@@ -139,80 +145,23 @@ class RequestLog:
         return int(np.frombuffer(self.output, dtype=np.int64).sum()) if self.output else 0
 
     def columns(self) -> dict[str, np.ndarray]:
-        """Per-request arrays (either mode): arrival, first token, finish, outputs, TTFT, TPOT, E2E."""
+        """Per-request arrays (either mode): engine.observe.metrics.request_columns."""
         if self.keep_token_times:
-            rs = self.records
-            arrival = np.array([r.arrival_s for r in rs])
-            first_sched = np.array([r.first_scheduled_s for r in rs])
-            first = np.array([r.token_times_s[0] if r.token_times_s else math.nan for r in rs])
-            finish = np.array([r.finish_s for r in rs])
-            prompt = np.array([r.prompt_tokens for r in rs], dtype=np.int64)
-            output = np.array([len(r.token_times_s) for r in rs], dtype=np.int64)
-            preempt = np.array([r.num_preemptions for r in rs], dtype=np.int64)
-        else:
-            arrival, first_sched, first, finish = (np.frombuffer(a, dtype=np.float64) if a else np.zeros(0)
-                                                   for a in (self.arrival, self.first_scheduled,
-                                                             self.first_token, self.finish))
-            prompt, output, preempt = (np.frombuffer(a, dtype=np.int64) if a else np.zeros(0, np.int64)
-                                       for a in (self.prompt, self.output, self.preemptions))
-        ttft = first - arrival
-        e2e = finish - arrival
-        with np.errstate(invalid="ignore", divide="ignore"):
-            tpot = np.where(output > 1, (e2e - ttft) / np.maximum(output - 1, 1), math.nan)
-        return {"arrival_s": arrival, "first_scheduled_s": first_sched, "first_token_s": first,
-                "finish_s": finish, "prompt_tokens": prompt, "output_tokens": output, "ttft_s": ttft,
-                "tpot_s": tpot, "e2e_s": e2e, "queue_s": first_sched - arrival, "num_preemptions": preempt}
+            return record_columns(self.records)
+        return request_columns(*(_numpy(a) for a in (self.arrival, self.first_scheduled, self.first_token,
+                                                      self.finish, self.prompt, self.output, self.preemptions)))
 
     def summarize(self, duration_s: float | None = None, slo_ttft_s: float | None = None,
                   slo_tpot_s: float | None = None, slo_e2el_s: float | None = None) -> dict:
         """engine.observe.metrics.summarize's dict, computed from whichever form was kept."""
         if self.keep_token_times:
             return summarize(self.records, duration_s, slo_ttft_s, slo_tpot_s, slo_e2el_s)
-        c = self.columns()
-        done = c["output_tokens"] > 0
-        if duration_s is None:
-            duration_s = float(c["finish_s"][done].max() - c["arrival_s"].min()) if done.any() else 0.0
-        per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: math.nan)
-        good = done.copy()
-        if slo_ttft_s is not None:
-            good &= c["ttft_s"] <= slo_ttft_s
-        if slo_tpot_s is not None:
-            good &= np.isnan(c["tpot_s"]) | (c["tpot_s"] <= slo_tpot_s)
-        if slo_e2el_s is not None:
-            good &= c["e2e_s"] <= slo_e2el_s
-        out_tokens = int(c["output_tokens"][done].sum())
-        in_tokens = int(c["prompt_tokens"][done].sum())
-        n_done = int(done.sum())
-        return {
-            "completed": n_done,
-            "failed": len(self) - n_done,
-            "duration_s": duration_s,
-            "total_input_tokens": in_tokens,
-            "total_output_tokens": out_tokens,
-            "request_throughput_req_s": per_s(n_done),
-            "output_throughput_tok_s": per_s(out_tokens),
-            "total_token_throughput_tok_s": per_s(out_tokens + in_tokens),
-            "goodput_req_s": per_s(int(good.sum())),
-            "ttft_s": distribution(c["ttft_s"][done].tolist()),
-            "tpot_s": distribution(c["tpot_s"][done].tolist()),
-            "itl_s": self.itl.distribution(),
-            "e2el_s": distribution(c["e2e_s"][done].tolist()),
-            "queue_s": distribution(c["queue_s"][done].tolist()),
-            "num_preemptions": int(c["num_preemptions"].sum()),
-        }
+        return summarize_columns(self.columns(), self.itl.distribution(), duration_s, slo_ttft_s, slo_tpot_s,
+                                 slo_e2el_s)
 
     def write_csv(self, path: Path) -> None:
         """requests.csv with the real runs' columns; compact mode leaves token_times_s empty."""
         if self.keep_token_times:
-            from engine.observe.metrics import write_requests_csv
             write_requests_csv(self.records, path)
-            return
-        c = self.columns()
-        with open(path, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(REQUEST_COLUMNS)
-            for i, rid in enumerate(self.ids):
-                w.writerow([rid, c["arrival_s"][i], c["first_scheduled_s"][i], c["first_token_s"][i],
-                            c["finish_s"][i], int(c["prompt_tokens"][i]), int(c["output_tokens"][i]),
-                            c["ttft_s"][i], c["tpot_s"][i], c["e2e_s"][i], c["queue_s"][i],
-                            int(c["num_preemptions"][i]), self.statuses[i], ""])
+        else:
+            write_columns_csv(self.ids, self.columns(), self.statuses, None, path)

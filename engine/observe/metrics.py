@@ -84,42 +84,76 @@ def distribution(values: Iterable[float]) -> dict[str, float]:
             **{f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}}
 
 
-def summarize(records: Sequence[RequestRecord], duration_s: float | None = None,
-              slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
-              slo_e2el_s: float | None = None) -> dict:
-    """Run-level metrics. ``duration_s`` defaults to first arrival → last token.
+def request_columns(arrival_s, first_scheduled_s, first_token_s, finish_s, prompt_tokens, output_tokens,
+                    num_preemptions) -> dict[str, np.ndarray]:
+    """Per-request arrays and the latencies derived from them (REQUEST_COLUMNS less id, status and
+    token times): what summarize_columns and write_requests_csv read, from full records or the
+    simulator's compact ones alike."""
+    arrival, first_sched, first, finish = (np.asarray(a, dtype=float) for a in
+                                           (arrival_s, first_scheduled_s, first_token_s, finish_s))
+    prompt, output, preempt = (np.asarray(a, dtype=np.int64) for a in (prompt_tokens, output_tokens, num_preemptions))
+    ttft = first - arrival
+    e2e = finish - arrival
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot = np.where(output > 1, (e2e - ttft) / np.maximum(output - 1, 1), math.nan)
+    return {"arrival_s": arrival, "first_scheduled_s": first_sched, "first_token_s": first, "finish_s": finish,
+            "prompt_tokens": prompt, "output_tokens": output, "ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e,
+            "queue_s": first_sched - arrival, "num_preemptions": preempt}
 
-    Goodput counts requests meeting every SLO given (vLLM's ``--goodput``; engine.observe.results
-    parses its syntax).
-    """
-    done = [r for r in records if r.token_times_s]
+
+def record_columns(records: Sequence[RequestRecord]) -> dict[str, np.ndarray]:
+    return request_columns([r.arrival_s for r in records], [r.first_scheduled_s for r in records],
+                           [r.token_times_s[0] if r.token_times_s else math.nan for r in records],
+                           [r.finish_s for r in records], [r.prompt_tokens for r in records],
+                           [len(r.token_times_s) for r in records], [r.num_preemptions for r in records])
+
+
+def summarize_columns(c: dict[str, np.ndarray], itl: dict[str, float], duration_s: float | None = None,
+                      slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
+                      slo_e2el_s: float | None = None) -> dict:
+    """Run-level metrics from request_columns and the inter-token latencies' distribution.
+    ``duration_s`` defaults to first arrival → last token. Goodput counts requests meeting every
+    SLO given (vLLM's ``--goodput``; engine.observe.results parses its syntax)."""
+    done = c["output_tokens"] > 0
     if duration_s is None:
-        duration_s = (max(r.finish_s for r in done) - min(r.arrival_s for r in records)) if done else 0.0
-    out_tokens = sum(r.output_tokens for r in done)
-    in_tokens = sum(r.prompt_tokens for r in done)
+        duration_s = float(c["finish_s"][done].max() - c["arrival_s"].min()) if done.any() else 0.0
     per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: math.nan)
-    good = [r for r in done
-            if (slo_ttft_s is None or r.ttft_s <= slo_ttft_s)
-            and (slo_tpot_s is None or math.isnan(r.tpot_s) or r.tpot_s <= slo_tpot_s)
-            and (slo_e2el_s is None or r.e2e_s <= slo_e2el_s)]
-    itls = np.concatenate([r.itl_s for r in done]) if done else np.array([])
+    good = done.copy()
+    if slo_ttft_s is not None:
+        good &= c["ttft_s"] <= slo_ttft_s
+    if slo_tpot_s is not None:
+        good &= np.isnan(c["tpot_s"]) | (c["tpot_s"] <= slo_tpot_s)
+    if slo_e2el_s is not None:
+        good &= c["e2e_s"] <= slo_e2el_s
+    out_tokens = int(c["output_tokens"][done].sum())
+    in_tokens = int(c["prompt_tokens"][done].sum())
+    n_done = int(done.sum())
     return {
-        "completed": len(done),
-        "failed": len(records) - len(done),
+        "completed": n_done,
+        "failed": len(done) - n_done,
         "duration_s": duration_s,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
-        "request_throughput_req_s": per_s(len(done)),
+        "request_throughput_req_s": per_s(n_done),
         "output_throughput_tok_s": per_s(out_tokens),
         "total_token_throughput_tok_s": per_s(out_tokens + in_tokens),
-        "goodput_req_s": per_s(len(good)),
-        "ttft_s": distribution(r.ttft_s for r in done),
-        "tpot_s": distribution(r.tpot_s for r in done),
-        "itl_s": distribution(itls.tolist()),
-        "e2el_s": distribution(r.e2e_s for r in done),
-        "queue_s": distribution(r.queue_s for r in done),
-        "num_preemptions": sum(r.num_preemptions for r in records),
+        "goodput_req_s": per_s(int(good.sum())),
+        "ttft_s": distribution(c["ttft_s"][done].tolist()),
+        "tpot_s": distribution(c["tpot_s"][done].tolist()),
+        "itl_s": itl,
+        "e2el_s": distribution(c["e2e_s"][done].tolist()),
+        "queue_s": distribution(c["queue_s"][done].tolist()),
+        "num_preemptions": int(c["num_preemptions"].sum()),
     }
+
+
+def summarize(records: Sequence[RequestRecord], duration_s: float | None = None,
+              slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
+              slo_e2el_s: float | None = None) -> dict:
+    """Run-level metrics of full records (every token time known, so ITL is exact)."""
+    itls = np.concatenate([r.itl_s for r in records if r.token_times_s] or [np.array([])])
+    return summarize_columns(record_columns(records), distribution(itls.tolist()), duration_s,
+                             slo_ttft_s, slo_tpot_s, slo_e2el_s)
 
 
 REQUEST_COLUMNS = ("request_id", "arrival_s", "first_scheduled_s", "first_token_s", "finish_s",
@@ -128,14 +162,19 @@ REQUEST_COLUMNS = ("request_id", "arrival_s", "first_scheduled_s", "first_token_
 
 
 def write_requests_csv(records: Sequence[RequestRecord], path: Path) -> None:
+    write_columns_csv([r.request_id for r in records], record_columns(records), [r.status for r in records],
+                      [r.token_times_s for r in records], path)
+
+
+def write_columns_csv(ids: Sequence[str], c: dict[str, np.ndarray], statuses: Sequence[str],
+                      token_times: Sequence[Sequence[float]] | None, path: Path) -> None:
+    """requests.csv: one row per request; ``token_times`` None (compact records) leaves that column empty."""
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(REQUEST_COLUMNS)
-        for r in records:
-            first = r.token_times_s[0] if r.token_times_s else math.nan
-            w.writerow([r.request_id, r.arrival_s, r.first_scheduled_s, first, r.finish_s,
-                        r.prompt_tokens, r.output_tokens, r.ttft_s, r.tpot_s, r.e2e_s, r.queue_s,
-                        r.num_preemptions, r.status, " ".join(repr(t) for t in r.token_times_s)])
+        for i, rid in enumerate(ids):
+            times = " ".join(repr(t) for t in token_times[i]) if token_times is not None else ""
+            w.writerow([rid, *(c[k][i].item() for k in REQUEST_COLUMNS[1:-2]), statuses[i], times])
 
 
 def read_requests_csv(path: Path) -> list[RequestRecord]:
