@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -18,12 +19,17 @@ from sim.simulator import SimResult, TimeSeries, simulate
 from sim.timing import CostModelTimer
 
 
+log = logging.getLogger("miniserve.sim")
+
+
 class MissingProfileError(ValueError):
     """The simulator has no step costs without a calibration profile, and never invents them."""
 
 
 def load_cost_model(profile: str | None, model: ModelConfig | None = None) -> CostModel:
-    """The profile's cost model; with ``model`` given, refuse a profile measured for another model."""
+    """The profile's cost model; with ``model`` given, refuse a profile measured for another model,
+    and warn (log and ``cost.info["device_warning"]``) when it was measured on another device than
+    ``model.device`` is here. ``model.dtype=auto`` takes the dtype the profile's own run chose."""
     if not profile:
         raise MissingProfileError(
             "no calibration profile: the simulator needs measured step costs. Run "
@@ -31,11 +37,19 @@ def load_cost_model(profile: str | None, model: ModelConfig | None = None) -> Co
             "calibration.profile=DIR/profile.json")
     if not Path(profile).is_file():
         raise MissingProfileError(f"calibration.profile={profile} does not exist")
-    expect = None
-    if model is not None:
-        from engine.model.loader import config_fingerprint  # reads the model's config; torch is imported
-        expect = config_fingerprint(model)
-    return CostModel.load(profile, expect_fingerprint=expect)
+    if model is None:
+        return CostModel.load(profile)
+    from engine.model.device import here, other_device_warning  # torch is imported
+    from engine.model.loader import config_fingerprint  # reads the model's config
+
+    if model.dtype == "auto":
+        model = replace(model, dtype=json.loads(Path(profile).read_text()).get("model", {}).get("dtype", "float32"))
+    cost = CostModel.load(profile, expect_fingerprint=config_fingerprint(model))
+    warning = other_device_warning(cost.info.get("measured_on", {}), here(model.device))
+    if warning:
+        log.warning(warning)
+        cost.info["device_warning"] = warning
+    return cost
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from engine.model.attention import ATTN_IMPLEMENTATION
 from engine.core.config import ModelConfig
+from engine.model.device import resolve
 
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
@@ -33,7 +34,11 @@ def load_hf_config(model_config: ModelConfig) -> PretrainedConfig:
 
 
 def config_fingerprint(model_config: ModelConfig) -> str:
-    """Hash of what determines cost: architecture shapes and dtype (not weights, not seed)."""
+    """Hash of what determines cost: architecture shapes and dtype (not weights, not seed, not the
+    device: a profile from another device is warned about, not refused). ``dtype=auto`` is
+    resolved for ``model_config.device`` on this machine."""
+    if model_config.dtype == "auto":
+        model_config = resolve(model_config)
     cfg = load_hf_config(model_config).to_dict()
     keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
@@ -62,8 +67,10 @@ def pack_linear_weights(model: PreTrainedModel) -> int:
 
 
 def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, object | None]:
-    """The model (eval, requested dtype, packed ragged attention) and its tokenizer if it has one."""
+    """The model (eval, requested dtype, on the requested device, packed ragged attention) and its
+    tokenizer if it has one. ``auto`` device and dtype are resolved here (engine/model/device.py)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model_config = resolve(model_config)
     if model_config.num_threads is not None:
         torch.set_num_threads(model_config.num_threads)
     dtype = TORCH_DTYPES[model_config.dtype]
@@ -82,4 +89,4 @@ def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, object | Non
         torch.manual_seed(model_config.seed)
         config._attn_implementation = ATTN_IMPLEMENTATION
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
-    return model.eval(), tokenizer
+    return model.to(model_config.device).eval(), tokenizer
