@@ -8,7 +8,6 @@ import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
-import torch
 
 from calibration.cost_model import FEATURES, CostModel, plan_features
 from calibration.fit import Errors, fit_nnls, split_heldout
@@ -16,7 +15,8 @@ from calibration.grid import GRID_SPECS, build_grid
 from calibration.profiler import Measurement, ShapePool, make_runner, measure_engine_runs, measure_shapes, threads_of
 from calibration.roofline import MemoryStamp, ModelShape, measure_machine, roofline_s
 from engine.core.config import ModelConfig
-from engine.core.model_shape import config_fingerprint
+from engine.model.device import describe, device_has_bf16 as bf16_native, resolve
+from engine.model.loader import config_fingerprint
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def error_table(measurements: list[Measurement], predicted: np.ndarray, baseline
 
 def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibration:
     t0 = time.perf_counter()
-    model_config = threads_of(model_config)
+    model_config = resolve(threads_of(model_config))  # the profile records the concrete device and dtype
     spec = GRID_SPECS[cfg.grid]
     shapes = build_grid(spec)
     max_len = max(s.max_len for s in shapes)
@@ -103,8 +103,10 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     info = {
         "model": {"name": model_config.name, "path": model_config.path, "dtype": model_config.dtype,
                   "attention": model_config.attention, "shape": mshape.to_dict()},
-        "measured_on": {"device": "cpu", "cpu": platform.processor() or platform.machine(),
-                        "threads": model_config.num_threads, "torch": torch.__version__,
+        # device kind and name, driver/runtime, torch, CPU model and the (masked) features it offered,
+        # then which of miniserve's kernels the calls ran
+        "measured_on": {**describe(runner.device), "kernels": runner.kernels_used(),
+                        "bf16_native": bf16_native(runner.device), "threads": model_config.num_threads,
                         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                         "host": platform.node(), "engine_code": engine_code_version()},
         "fit": fit,

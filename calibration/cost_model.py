@@ -92,6 +92,22 @@ def plan_features(plan: BatchPlan) -> tuple[float, ...]:
             *tents(prefill_tokens + decodes, TOKEN_KNOTS), *tents(samples, SAMPLE_KNOTS))
 
 
+def other_device_warning(measured_on: dict, run_on: dict) -> str | None:
+    """A clear sentence when a profile was measured on another device (kind, or GPU/CPU model)
+    than the run it is compared with (engine.model.device.describe's keys); None when they match
+    or either does not say."""
+    kind, name = measured_on.get("device"), measured_on.get("device_name")
+    if kind is None:
+        return None
+    run_kind, run_name = run_on.get("device"), run_on.get("device_name")
+    if kind == run_kind and (name is None or run_name is None or name == run_name):
+        return None
+    where = lambda k, n: f"{k} ({n})" if n else str(k)  # noqa: E731
+    return (f"the calibration profile was measured on {where(kind, name)}, but this run is on "
+            f"{where(run_kind, run_name)}: its call times are that device's, so simulated and real "
+            f"times will differ; calibrate on this device for a like-for-like comparison")
+
+
 class ProfileMismatchError(ValueError):
     """A calibration profile measured for another model, dtype or feature set."""
 

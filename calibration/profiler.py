@@ -61,7 +61,8 @@ class ShapePool:
                                  (False,) * num_slots, 0), self.requests)
         with torch.no_grad():
             for store in runner.cache.keys + runner.cache.values:
-                store[:, :, 1:max_len + 1].normal_(generator=g)
+                part = store[:, :, 1:max_len + 1]  # drawn on the CPU (g is a CPU generator), copied to the device
+                part.copy_(torch.randn(part.shape, generator=g, dtype=part.dtype))
 
     def execute(self, plan: BatchPlan) -> tuple[float, bool]:
         """The call's duration, and whether other processes used the CPU meanwhile."""

@@ -40,7 +40,7 @@ def calibrate(app: CalibrateApp, out_dir: Path) -> Path:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="calibrate")
 def main(cfg) -> None:
-    app: CalibrateApp = to_object(cfg)
+    app: CalibrateApp = to_object(cfg, runs_model=True)
     calibrate(app, Path(HydraConfig.get().runtime.output_dir))
 
 

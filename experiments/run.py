@@ -104,7 +104,7 @@ def run_real(app: RunApp, out_dir: Path) -> dict:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="run")
 def main(cfg) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    app: RunApp = to_object(cfg)
+    app: RunApp = to_object(cfg, runs_model=True)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     m = run_real(app, out_dir)
     print(f"{app.scheduler.name}: {m['completed']} requests, {m['total_output_tokens']} tokens in "

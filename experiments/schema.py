@@ -25,7 +25,15 @@ def register(name: str, schema: type) -> None:
     ConfigStore.instance().store(name=name, node=_writable(OmegaConf.structured(schema)))
 
 
-def to_object(cfg: DictConfig):
-    """The composed config as the schema's dataclasses, with their value checks run."""
-    return OmegaConf.to_object(cfg)
+def to_object(cfg: DictConfig, *, runs_model: bool = False):
+    """The composed config as the schema's dataclasses, with their value checks run. An app that
+    runs the model (``runs_model``) gets ``model.device``/``model.dtype`` resolved here, once, for
+    this machine: an absent device fails before anything starts, and the processes it spawns
+    inherit one concrete choice."""
+    app = OmegaConf.to_object(cfg)
+    if runs_model:
+        from engine.model.device import resolve  # imports torch
+
+        app.model = resolve(app.model)
+    return app
 

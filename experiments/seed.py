@@ -154,7 +154,7 @@ def run_seed_experiment(app: SeedApp, out_dir: Path) -> tuple[dict, dict | None]
 def main(cfg) -> None:
     from experiments.report import ReportApp, build_report
 
-    app: SeedApp = to_object(cfg)
+    app: SeedApp = to_object(cfg, runs_model=True)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     real, sim = run_seed_experiment(app, out_dir)
     print("real engine:")

@@ -84,7 +84,7 @@ def format_overhead_table(results: dict) -> str:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="seed_http")
 def main(cfg) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
-    app: SeedHttpApp = to_object(cfg)
+    app: SeedHttpApp = to_object(cfg, runs_model=True)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     results = {name: run_scheduler_http(app, name, out_dir / name) for name in app.schedulers}
     (out_dir / "seed_http.json").write_text(json.dumps(results, indent=2) + "\n")

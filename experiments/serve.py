@@ -26,7 +26,7 @@ register("serve_schema", ServeApp)
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="serve")
 def main(cfg) -> None:
-    app: ServeApp = to_object(cfg)
+    app: ServeApp = to_object(cfg, runs_model=True)
     logging.basicConfig(level=app.server.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     sys.exit(serve(app.model, app.scheduler, app.server))
 

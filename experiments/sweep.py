@@ -92,7 +92,7 @@ def run_job(app: SweepApp, out_dir: Path) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="sweep")
 def main(cfg) -> None:
-    app: SweepApp = to_object(cfg)
+    app: SweepApp = to_object(cfg, runs_model=cfg.backend == "real")
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     m = run_job(app, out_dir)
     load = f" load={app.load:g}" if app.load is not None else ""

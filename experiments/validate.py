@@ -196,7 +196,7 @@ def format_validation(df: pd.DataFrame) -> str:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="validate")
 def main(cfg) -> None:
-    app: ValidateApp = to_object(cfg)
+    app: ValidateApp = to_object(cfg, runs_model=True)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     df = run_validation(app, out_dir)
     print(format_validation(df))

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from calibration.cost_model import CostModel
+from calibration.cost_model import CostModel, other_device_warning
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.core.model_shape import config_fingerprint
 from engine.observe.metrics import write_metrics_json
@@ -20,12 +21,19 @@ from sim.simulator import SimResult, TimeSeries, simulate
 from sim.executors import CostModelExecutor
 
 
+log = logging.getLogger("miniserve.sim")
+
+
 class MissingProfileError(ValueError):
     """The simulator has no step costs without a calibration profile, and never invents them."""
 
 
-def load_cost_model(profile: str | None, model: ModelConfig | None = None) -> CostModel:
-    """The profile's cost model; with ``model`` given, refuse a profile measured for another model."""
+def load_cost_model(profile: str | None, model: ModelConfig | None = None, run_on: dict | None = None) -> CostModel:
+    """The profile's cost model; with ``model`` given, refuse a profile measured for another model,
+    and warn (log and ``cost.info["device_warning"]``) when it was measured on another device than
+    the run it is compared with: ``run_on`` (engine.model.device.here, from apps that run the model
+    too), else an explicit ``model.device``. ``model.dtype=auto`` takes the dtype the profile's own
+    run chose. Torch-free: the simulator never loads the model."""
     if not profile:
         raise MissingProfileError(
             "no calibration profile: the simulator needs measured step costs. Run "
@@ -33,7 +41,18 @@ def load_cost_model(profile: str | None, model: ModelConfig | None = None) -> Co
             "calibration.profile=DIR/profile.json")
     if not Path(profile).is_file():
         raise MissingProfileError(f"calibration.profile={profile} does not exist")
-    return CostModel.load(profile, expect_fingerprint=config_fingerprint(model) if model is not None else None)
+    if model is None:
+        return CostModel.load(profile)
+    if model.dtype == "auto":
+        model = replace(model, dtype=json.loads(Path(profile).read_text()).get("model", {}).get("dtype", "float32"))
+    cost = CostModel.load(profile, expect_fingerprint=config_fingerprint(model))
+    if run_on is None and model.device != "auto":
+        run_on = {"device": model.device}
+    warning = other_device_warning(cost.info.get("measured_on", {}), run_on) if run_on else None
+    if warning:
+        log.warning(warning)
+        cost.info["device_warning"] = warning
+    return cost
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +20,9 @@ from calibration.profiler import Measurement, step_overheads
 from calibration.roofline import Machine, ModelShape, call_work, roofline_s
 from engine.core.config import ModelConfig
 from engine.llm_engine import StepRecord
-from engine.core.model_shape import config_fingerprint
+from engine.model import kernels
+from engine.model.kernels.features import cpu_features
+from engine.model.loader import config_fingerprint
 from engine.core.plan import BatchPlan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,6 +180,11 @@ def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tmp_path):
     assert data["fit"]["heldout_max_error"] >= data["fit"]["heldout"]["median_error"]
     assert data["fingerprint"] == config_fingerprint(ModelConfig(name="tiny"))
     assert data["measured_on"]["threads"] == 1 and data["model"]["dtype"] == "float32"
+    on = data["measured_on"]  # where it was measured, as a GPU profile would say it
+    assert on["device"] == "cpu" and on["device_name"] == on["cpu"] and on["torch"] == torch.__version__
+    assert on["cpu_features"] == sorted(cpu_features())
+    assert on["kernels"] == {k: "avx512" in cpu_features() and kernels.enabled() for k in on["kernels"]}
+    assert set(on["kernels"]) == {"gemv", "decode_attention", "layer_ops", "argmax"}
     assert data["grid"]["calls"] == len(build_grid(GRID_SPECS["quick"]))
     kinds = [m["kind"] for m in data["measurements"]]
     assert kinds.count("engine") == data["grid"]["engine_calls"] == data["step_overhead"]["steps"] > 0

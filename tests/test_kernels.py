@@ -1,7 +1,11 @@
 """miniserve's kernels: gemv is the exact product up to rounding and the engine runs it for up to
 MAX_ROWS rows and oneDNN above; decode attention is exact attention up to rounding over each request's
 own keys and the engine runs it once per layer for a step's decodes; bad input to either is refused
-with a clear error."""
+with a clear error.
+
+Every test that runs a kernel is gated on what that kernel needs, read from the same masked feature
+set the engine sees (``MINISERVE_CPU_FEATURES``), so the suite passes as-is on any CPU and under any
+mask; ``MINISERVE_KERNELS=0`` turns them all off, and the build tests then expect None."""
 
 import os
 from pathlib import Path
@@ -12,15 +16,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.model import kernels
+from engine.model.kernels.features import cpu_features, detected, has_bf16_arithmetic, parse_mask
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.model.runner import ModelRunner
 from engine.core.plan import BatchPlan
 from engine.core.request import Request
 
-CPU_FLAGS = set(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), []))
-HAS_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= CPU_FLAGS  # torch's "AVX512" capability
-EXPECTED = {torch.float32: HAS_AVX512, torch.bfloat16: HAS_AVX512 and "avx512_bf16" in CPU_FLAGS}
+FEATURES = cpu_features()  # this CPU's, less the MINISERVE_CPU_FEATURES mask
+ON = kernels.enabled()  # MINISERVE_KERNELS=0: none is built, whatever the CPU
+HAS_AVX512 = ON and "avx512" in FEATURES
+EXPECTED = {torch.float32: HAS_AVX512, torch.bfloat16: HAS_AVX512 and "avx512_bf16" in FEATURES}
+
+
+def needs(op: str, *dtypes: torch.dtype):
+    """Skip unless kernel ``op`` runs here for every dtype given: the build tests below hold that
+    the engine runs torch's own kernels instead."""
+    ok = ON and all(kernels.can_run(op, d) for d in dtypes)
+    return pytest.mark.skipif(not ok, reason=f"{op} ({', '.join(map(str, dtypes))}) needs "
+                              f"{sorted(set().union(*(kernels.NEEDS[op][d] for d in dtypes)))}; "
+                              f"this CPU (as masked) has {sorted(FEATURES)}, kernels {'on' if ON else 'off'}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -29,13 +43,63 @@ def test_the_kernel_builds_wherever_the_cpu_can_run_it(dtype):
     assert (kernels.gemv(dtype) is not None) == EXPECTED[dtype]
 
 
-NEEDS_KERNEL = pytest.mark.skipif(not EXPECTED[torch.float32],
-                                  reason="no AVX-512 here: test_the_kernel_builds_... holds that oneDNN runs instead")
+XEON_NO_BF16 = frozenset("fpu sse2 avx avx2 fma avx512f avx512bw avx512cd avx512dq avx512vl avx512_vnni".split())
+ZEN5 = XEON_NO_BF16 | {"avx512_bf16"}
+SAPPHIRE_RAPIDS = ZEN5 | {"amx_bf16", "amx_tile"}
 
 
-@NEEDS_KERNEL
+@pytest.mark.parametrize("flags, mask, expected", [
+    (ZEN5, "", {"avx2", "avx512", "avx512_bf16"}),
+    (XEON_NO_BF16, "", {"avx2", "avx512"}),
+    (SAPPHIRE_RAPIDS, "", {"avx2", "avx512", "avx512_bf16", "amx_bf16"}),
+    (ZEN5, "avx512", {"avx2", "avx512"}),  # AVX-512 without bf16, as that Xeon
+    (ZEN5, "avx2", {"avx2"}),
+    (ZEN5, "AVX512_BF16", {"avx2", "avx512", "avx512_bf16"}),  # a feature brings what it builds on
+    (XEON_NO_BF16, "avx512_bf16", {"avx2", "avx512"}),  # a mask never adds what the CPU lacks
+    (ZEN5, "none", set()),
+    (frozenset("fp asimd sve bf16".split()), "", set()),  # arm64's Features: none of ours
+    (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"}), "", set()),  # AVX-512 without AVX2's FMA
+])
+def test_cpu_features_are_the_cpus_less_the_mask(flags, mask, expected):
+    assert cpu_features(mask, flags) == expected
+    assert has_bf16_arithmetic(cpu_features(mask, flags)) == bool({"avx512_bf16", "amx_bf16"} & expected)
+
+
+def test_a_mask_naming_an_unknown_feature_is_a_clear_error():
+    with pytest.raises(ValueError, match="MINISERVE_CPU_FEATURES='avx512,sse9': unknown feature"):
+        parse_mask("avx512,sse9")
+
+
+def test_the_engine_sees_the_masked_features(monkeypatch):
+    monkeypatch.setenv("MINISERVE_CPU_FEATURES", "avx2")
+    assert cpu_features() == detected() & {"avx2"}
+    assert not kernels.can_run("gemv", torch.float32) and not kernels.can_run("argmax", torch.float32)
+    monkeypatch.setenv("MINISERVE_CPU_FEATURES", "avx512")
+    assert not kernels.can_run("gemv", torch.bfloat16)
+    assert kernels.can_run("gemv", torch.float32) == ("avx512" in detected())
+
+
+@needs("gemv", torch.float32)
+def test_the_raw_ops_obey_the_features_the_engine_allows():
+    kernels.gemv(torch.float32)  # built; the C++ checks were told FEATURES
+    assert torch.ops.miniserve.gemv_supported(torch.bfloat16) == EXPECTED[torch.bfloat16]
+    try:
+        torch.ops.miniserve.allow_cpu_features(True, False)
+        assert not torch.ops.miniserve.gemv_supported(torch.bfloat16)
+        assert torch.ops.miniserve.gemv_supported(torch.float32)
+        torch.ops.miniserve.allow_cpu_features(False, False)
+        for supported in (torch.ops.miniserve.gemv_supported(torch.float32),
+                          torch.ops.miniserve.argmax_supported(torch.float32),
+                          torch.ops.miniserve.layer_ops_supported(torch.float32),
+                          torch.ops.miniserve.decode_attention_supported(torch.float32, 64)):
+            assert not supported
+    finally:
+        torch.ops.miniserve.allow_cpu_features("avx512" in FEATURES, "avx512_bf16" in FEATURES)
+
+
+@needs("gemv", torch.float32)
 @settings(max_examples=60, deadline=None)
-@given(dtype=st.sampled_from([d for d, ok in EXPECTED.items() if ok]), rows=st.integers(1, kernels.MAX_ROWS),
+@given(dtype=st.sampled_from([d for d, ok in EXPECTED.items() if ok] or [torch.float32]), rows=st.integers(1, kernels.MAX_ROWS),
        k=st.integers(1, 300), n=st.integers(1, 300), bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_gemv_equals_the_exact_product_up_to_rounding(dtype, rows, k, n, bias, seed):
     g = torch.Generator().manual_seed(seed)
@@ -66,7 +130,7 @@ def _case(x, w, bias=None, n=None, k=None):
     return x, p.data, bias, p.n if n is None else n, p.k if k is None else k
 
 
-@NEEDS_KERNEL
+@needs("gemv", torch.float32)
 @pytest.mark.parametrize("make, message", [
     (lambda: _case(torch.randn(65, 8), torch.randn(4, 8)), "1 to 64 rows, got 65"),
     (lambda: _case(torch.randn(0, 8), torch.randn(4, 8)), "1 to 64 rows, got 0"),
@@ -74,7 +138,8 @@ def _case(x, w, bias=None, n=None, k=None):
     (lambda: _case(torch.randn(8, 2).T, torch.randn(4, 8)), "contiguous"),
     (lambda: _case(torch.randn(1, 8), torch.randn(4, 9)), "x has 8 columns, the panels were packed for 9"),
     (lambda: _case(torch.randn(1, 5).bfloat16(), torch.randn(4, 6).bfloat16()),
-     "x has 5 columns, the panels were packed for 6"),  # same number of bf16 k pairs
+     "x has 5 columns, the panels were packed for 6" if EXPECTED[torch.bfloat16]  # same number of k pairs
+     else "no kernel for BFloat16 on this CPU"),  # AVX-512 without AVX512-BF16 (or masked so)
     (lambda: _case(torch.randn(1, 8), torch.randn(4, 8), n=40), "do not hold 40 outputs"),
     (lambda: _case(torch.randn(1, 8), torch.randn(4, 8), k=9), "x has 8 columns, the panels were packed for 9"),
     (lambda: _case(torch.randn(1, 8), torch.randn(4, 8), torch.randn(5)), "bias must be"),
@@ -92,10 +157,10 @@ def test_the_kernel_can_be_switched_off_and_is_not_built_without_avx512(monkeypa
     monkeypatch.setenv("MINISERVE_KERNELS", "0")
     assert kernels._load.__wrapped__() is False
     monkeypatch.delenv("MINISERVE_KERNELS")
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setenv("MINISERVE_CPU_FEATURES", "avx2")
     with caplog.at_level("WARNING", logger="miniserve.kernels"):
         assert kernels._load.__wrapped__() is False
-    assert "no AVX-512" in caplog.text
+    assert len(caplog.records) == 1 and "no AVX-512 on this CPU (masked by MINISERVE_CPU_FEATURES)" in caplog.text
 
 
 def test_a_build_lock_left_by_a_killed_build_is_removed(monkeypatch, tmp_path):
@@ -112,7 +177,7 @@ def test_a_build_lock_left_by_a_killed_build_is_removed(monkeypatch, tmp_path):
     assert not lock.exists()
 
 
-@NEEDS_KERNEL
+@needs("gemv", torch.float32)
 def test_the_engine_runs_the_kernel_up_to_max_rows_and_onednn_above():
     assert kernels.MAX_ROWS == 64
     runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=4, max_model_len=64))
@@ -139,10 +204,11 @@ def test_the_engine_runs_the_kernel_up_to_max_rows_and_onednn_above():
 def test_decode_attention_builds_wherever_the_cpu_can_run_it(dtype):
     # bf16 keys and values are widened by hand: AVX-512 alone is enough
     assert (kernels.decode_attention(dtype, 64) is not None) == HAS_AVX512
+    assert (kernels.argmax_rows(dtype) is not None) == HAS_AVX512  # the same holds for argmax
     assert kernels.decode_attention(dtype, 80) is None  # head dims 16, 32, 64, 128 only: SDPA for others
 
 
-@NEEDS_KERNEL
+@needs("decode_attention", torch.float32, torch.bfloat16)
 @settings(max_examples=60, deadline=None)
 @given(dtype=st.sampled_from([torch.float32, torch.bfloat16]), rows=st.integers(1, 6),
        heads=st.sampled_from([(4, 2), (14, 2), (7, 7), (16, 8), (8, 1)]), d=st.sampled_from([16, 32, 64, 128]),
@@ -177,7 +243,7 @@ def _attention_case(rows=2, heads=4, kv_heads=2, d=16, num_slots=8, max_len=10, 
     return tuple(args.values())
 
 
-@NEEDS_KERNEL
+@needs("decode_attention", torch.float32, torch.bfloat16)
 @pytest.mark.parametrize("make, message", [
     (lambda: _attention_case(d=80), "no kernel for Float and head dim 80"),
     (lambda: _attention_case(q=torch.randn(2, 64)), "q must be"),
@@ -198,7 +264,7 @@ def test_decode_attention_bad_input_is_a_clear_error(make, message):
         torch.ops.miniserve.decode_attention.default(*make())
 
 
-@NEEDS_KERNEL
+@needs("decode_attention", torch.float32)
 def test_the_engine_attends_a_steps_decodes_in_one_kernel_call_per_layer():
     runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=4, max_model_len=64))
     real, calls = runner.decode_attention, []
@@ -230,7 +296,7 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() - b.double()).abs() / (torch.finfo(b.dtype).eps * b.double().abs().clamp_min(1e-30))
 
 
-@NEEDS_KERNEL
+@needs("layer_ops", torch.float32, torch.bfloat16)
 @settings(max_examples=40, deadline=None)
 @given(dtype=st.sampled_from([torch.float32, torch.bfloat16]), t=st.integers(1, 20), n=st.integers(1, 70),
        heads=st.sampled_from([(4, 2), (14, 2), (2, 2)]), d=st.sampled_from([2, 16, 34, 64]), seed=st.integers(0, 2**16))
@@ -273,7 +339,7 @@ def _rotary_case(**override):
     return tuple(args.values())
 
 
-@NEEDS_KERNEL
+@needs("layer_ops", torch.float32)
 @pytest.mark.parametrize("make, message", [
     (lambda o: o.add_rms_norm(torch.randn(2, 8).T, None, torch.randn(2), 1e-6), "h must be a contiguous"),
     (lambda o: o.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.randn(8), 1e-6), "delta has 3 rows, h 2"),
@@ -294,7 +360,7 @@ def test_layer_ops_bad_input_is_a_clear_error(make, message):
         make(kernels.layer_ops(torch.float32))
 
 
-@NEEDS_KERNEL
+@needs("layer_ops", torch.float32)
 def test_the_engine_makes_three_fused_calls_per_layer():
     runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=4, max_model_len=64))
     lean, calls = runner._lean, []
@@ -312,7 +378,7 @@ def test_the_engine_makes_three_fused_calls_per_layer():
     assert calls == per_layer * layers + ["add_rms_norm"]  # and the final norm, of the sampled rows
 
 
-@NEEDS_KERNEL
+@needs("argmax", torch.float32, torch.bfloat16)
 @settings(max_examples=40, deadline=None)
 @given(dtype=st.sampled_from([torch.float32, torch.bfloat16]), rows=st.integers(1, 5), n=st.integers(1, 300),
        ties=st.booleans(), seed=st.integers(0, 2**16))
@@ -327,7 +393,7 @@ def test_argmax_rows_is_torchs_argmax(dtype, rows, n, ties, seed):
     assert torch.equal(kernels.argmax_rows(dtype)(x), x.float().argmax(-1))
 
 
-@NEEDS_KERNEL
+@needs("argmax", torch.float32)
 def test_argmax_rows_bad_input_is_a_clear_error():
     op = kernels.argmax_rows(torch.float32)
     with pytest.raises(RuntimeError, match="contiguous \\(rows, vocab\\)"):
@@ -336,7 +402,7 @@ def test_argmax_rows_bad_input_is_a_clear_error():
         op(torch.randn(2, 4).half())
 
 
-@NEEDS_KERNEL
+@needs("argmax", torch.float32)
 def test_the_engine_samples_with_the_argmax_kernel():
     runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=2, max_model_len=64))
     real, calls = runner.greedy, []
@@ -358,7 +424,7 @@ def test_panels_move_into_one_huge_page_buffer_unchanged():
     assert kernels.in_huge_pages([]) == []
 
 
-@NEEDS_KERNEL
+@needs("gemv", torch.float32)
 def test_the_engines_panels_sit_in_one_huge_page_buffer():
     runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=2, max_model_len=64))
     storages = {w[0].data.untyped_storage().data_ptr() for w in runner._lean.projections}

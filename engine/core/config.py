@@ -39,7 +39,8 @@ class SchedulerConfig:
 
 
 MODEL_NAMES = ("tiny", "qwen2_5_0_5b")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")  # auto: bf16 where the device has bf16 arithmetic (engine/model/device.py)
+DEVICES = ("auto", "cpu", "cuda", "mps")  # auto: cuda, then mps, then cpu
 ATTENTION_BACKENDS = ("ragged", "masked")
 
 
@@ -49,12 +50,14 @@ class ModelConfig:
 
     With ``path`` unset, ``name`` picks a bundled real config and the weights are seeded random
     (cost depends on shapes, not values); with ``path`` set, a local checkpoint directory is
-    loaded and the hub is never contacted.
+    loaded and the hub is never contacted. ``device`` and ``dtype`` may say ``auto``;
+    ``engine.model.device.resolve`` turns them into what this machine has.
     """
 
     name: str = "tiny"
     path: str | None = None
     dtype: str = "float32"
+    device: str = "auto"
     seed: int = 0
     num_threads: int | None = None
     attention: str = "ragged"
@@ -64,6 +67,8 @@ class ModelConfig:
             raise ValueError(f"model.name must be one of {MODEL_NAMES} (or set model.path), got {self.name!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"model.device must be one of {DEVICES}, got {self.device!r}")
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"model.attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -12,6 +12,11 @@ Two backends, both exact:
   copy: keys past each request's length are masked off).
 - ``masked``: one SDPA over all requests' KV concatenated, with a block-diagonal causal mask
   (work ∝ T·ΣK; wasteful on long prompts, fewer calls for many tiny decodes).
+
+On a GPU the batch's index tensors and masks move to the device (``RaggedBatch.build(device=)``),
+the KV slots are device memory (``SlotKVCache(device=)``), and the prefill chunks of a ``ragged``
+step go through one ``flash_attn_varlen_func`` where flash-attn is installed (CUDA, fp16/bf16),
+else SDPA per chunk as on CPU.
 """
 
 from __future__ import annotations
@@ -27,6 +32,11 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ATTN_IMPLEMENTATION = "miniserve_ragged"
+
+try:  # optional, CUDA only: all of a step's prefill chunks in one varlen kernel
+    from flash_attn import flash_attn_varlen_func
+except ImportError:  # the usual case (and always on CPU): SDPA per chunk
+    flash_attn_varlen_func = None
 
 
 @dataclass
@@ -52,9 +62,18 @@ class RaggedBatch:
     chunk_masks: list[torch.Tensor | None] | None = None
     block_mask: torch.Tensor | None = None
 
+    def to(self, device: torch.device) -> RaggedBatch:
+        """Every index tensor and mask on ``device`` (where the model and its KV slots are)."""
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(device))
+        if self.chunk_masks is not None:
+            self.chunk_masks = [None if m is None else m.to(device) for m in self.chunk_masks]
+        return self
+
     @classmethod
     def build(cls, slots: list[int], q_lens: list[int], ctx_lens: list[int], backend: str,
-              decode_kernel: Callable | None = None) -> RaggedBatch:
+              decode_kernel: Callable | None = None, device: torch.device | None = None) -> RaggedBatch:
         q_starts = list(accumulate(q_lens, initial=0))[:-1]
         lens = torch.tensor(q_lens)
         # position of packed token t = t - q_start(request) + ctx(request), without a per-token loop
@@ -82,7 +101,7 @@ class RaggedBatch:
                     batch.decode_mask = (torch.arange(k_len)[None] < visible[:, None])[:, None, None]
         else:
             batch.block_mask = _block_diagonal_mask(q_lens, ctx_lens)
-        return batch
+        return batch if device is None else batch.to(device)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -117,12 +136,15 @@ class SlotKVCache:
     """
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, device: torch.device | None = None) -> None:
         shape = (2, num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        # Anonymous memory is zero until written and committed only when touched: every key a
-        # batched decode reads past a request's length is finite, and nothing is cleared per step.
-        self._buffer = mmap.mmap(-1, math.prod(shape) * torch.empty((), dtype=dtype).element_size())
-        store = torch.frombuffer(self._buffer, dtype=dtype).view(shape)
+        if device is None:
+            # CPU: anonymous memory is zero until written and committed only when touched: every key
+            # a batched decode reads past a request's length is finite, and nothing is cleared per step.
+            self._buffer = mmap.mmap(-1, math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+            store = torch.frombuffer(self._buffer, dtype=dtype).view(shape)
+        else:  # device memory, zeroed once (finite keys past each length, as above)
+            store = torch.zeros(shape, dtype=dtype, device=device)
         self.keys, self.values = list(store[0]), list(store[1])
         self.batch: RaggedBatch | None = None
 
@@ -167,6 +189,10 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         out = F.scaled_dot_product_attention(q, key[lo:hi, :, :k_len], value[lo:hi, :, :k_len],
                                              attn_mask=b.decode_mask, scale=scaling)
         outs.append((out if b.decode_dense else out[b.decode_rows]).reshape(1, d, heads, dim))
+    if d < len(b.slots) and flash_attn_varlen_func is not None and query.is_cuda and query.dtype in (
+            torch.float16, torch.bfloat16):
+        outs.append(_chunks_flash_varlen(query, key, value, b, d, scaling))
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
     for s, q0, n, c, mask in zip(b.slots[d:], b.q_starts[d:], b.q_lens[d:], b.ctx_lens[d:], b.chunk_masks[d:]):
         k = key[s:s + 1, :, :c + n]
         v = value[s:s + 1, :, :c + n]
@@ -174,6 +200,22 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             query[:, :, q0:q0 + n], k, v, attn_mask=mask, is_causal=(mask is None and n > 1),
             scale=scaling, enable_gqa=True).transpose(1, 2))
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+
+
+def _chunks_flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, b: RaggedBatch, d: int,
+                         scaling: float | None) -> torch.Tensor:
+    """The prefill chunks (entries d..) in one flash-attn varlen call: their queries are contiguous
+    after the decodes; each chunk's keys (its slot's first ctx + n) are gathered into one packed run.
+    Causal masking in flash-attn >= 2.1 aligns the last query with the last key, so query j of a
+    chunk at context c sees keys 0..c+j, as SDPA with _chunk_mask does."""
+    q = query[0, :, b.q_starts[d]:].transpose(0, 1).contiguous()  # (Tc, H, D)
+    k = torch.cat([key[s, :, :c + n].transpose(0, 1) for s, n, c in zip(b.slots[d:], b.q_lens[d:], b.ctx_lens[d:])])
+    v = torch.cat([value[s, :, :c + n].transpose(0, 1) for s, n, c in zip(b.slots[d:], b.q_lens[d:], b.ctx_lens[d:])])
+    q_lens, k_lens = b.q_lens[d:], [c + n for n, c in zip(b.q_lens[d:], b.ctx_lens[d:])]
+    cu_q = torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=q.device)
+    cu_k = torch.tensor([0, *accumulate(k_lens)], dtype=torch.int32, device=q.device)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), softmax_scale=scaling, causal=True)
+    return out[None]  # (1, Tc, H, D)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, ragged_attention)

@@ -9,8 +9,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from engine.core.config import ModelConfig
+from engine.core import model_shape
 from engine.core.model_shape import config_path, read_config_json
 from engine.model.attention import ATTN_IMPLEMENTATION
+from engine.model.device import resolve
 from engine.model.tokenizer import byte_tokenizer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -23,6 +25,14 @@ def load_hf_config(model_config: ModelConfig) -> PretrainedConfig:
     if model_config.path is not None:
         return AutoConfig.from_pretrained(config_path(model_config).parent, local_files_only=True)
     return AutoConfig.for_model(**config_json)
+
+
+def config_fingerprint(model_config: ModelConfig) -> str:
+    """engine.core.model_shape.config_fingerprint with ``dtype=auto`` resolved for
+    ``model_config.device`` on this machine (the dtype the runner will build)."""
+    if model_config.dtype == "auto":
+        model_config = resolve(model_config)
+    return model_shape.config_fingerprint(model_config)
 
 
 def pack_linear_weights(model: PreTrainedModel) -> int:
@@ -45,9 +55,11 @@ def pack_linear_weights(model: PreTrainedModel) -> int:
 
 
 def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, object | None]:
-    """The model (eval, requested dtype, packed ragged attention) and its tokenizer: the
-    checkpoint's if it has one, the built-in byte-level one for the bundled configs."""
+    """The model (eval, requested dtype, on the requested device, packed ragged attention) and its
+    tokenizer: the checkpoint's if it has one, the built-in byte-level one for the bundled configs.
+    ``auto`` device and dtype are resolved here (engine/model/device.py)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model_config = resolve(model_config)
     if model_config.num_threads is not None:
         torch.set_num_threads(model_config.num_threads)
     dtype = TORCH_DTYPES[model_config.dtype]
@@ -68,4 +80,4 @@ def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, object | Non
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
         eos = config.eos_token_id if isinstance(config.eos_token_id, int) else None
         tokenizer = byte_tokenizer(config.vocab_size, eos)
-    return model.eval(), tokenizer
+    return model.to(model_config.device).eval(), tokenizer

@@ -1,5 +1,12 @@
 """Executes a BatchPlan as ONE forward pass over a packed (1, T) batch, then samples (greedy by
-default; engine/model/sampler.py for requests that ask for more)."""
+default; engine/model/sampler.py for requests that ask for more).
+
+Two paths, one plan layout. On CPU: oneDNN-packed linears, the lean layers and miniserve's kernels
+where this CPU runs them. On a GPU (or ``generic=True``, which forces it on CPU so tests cover it):
+the stock transformers layers with the same ragged attention, KV slots in device memory, sampling
+on the device, and no CPU kernel is built. Either way a call's duration comes from the device's
+synchronised timer (engine/model/device.py).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import torch
 from engine.model import kernels
 from engine.model.attention import RaggedBatch, SlotKVCache
 from engine.core.config import ModelConfig, SchedulerConfig
+from engine.model.device import DeviceTimer, resolve
 from engine.model.lean_qwen2 import LeanQwen2
 from engine.model.loader import load_model, pack_linear_weights
 from engine.model.sampler import needs_sampler, sample
@@ -25,25 +33,41 @@ def _torch_greedy(logits: torch.Tensor) -> torch.Tensor:
 class ModelRunner:
     """Owns the model and its KV slots; knows nothing about queues or policies."""
 
-    def __init__(self, model_config: ModelConfig, scheduler_config: SchedulerConfig) -> None:
-        self.model_config = model_config
+    def __init__(self, model_config: ModelConfig, scheduler_config: SchedulerConfig, *,
+                 generic: bool = False) -> None:
+        self.model_config = model_config = resolve(model_config)  # device and dtype concrete
+        self.device = torch.device(model_config.device)
         self.model, self.tokenizer = load_model(model_config)
-        pack_linear_weights(self.model)  # 1.3-4x faster linears at decode sizes, fp32 and bf16 alike
-        # the same arithmetic with less Python per layer (engine/model/lean_qwen2.py); stock elsewhere
-        self._lean = LeanQwen2(self.model) if LeanQwen2.supports(self.model) else None
+        self.generic = generic or self.device.type != "cpu"
+        self._lean = None
+        if not self.generic:
+            pack_linear_weights(self.model)  # 1.3-4x faster linears at decode sizes, fp32 and bf16 alike
+            # the same arithmetic with less Python per layer (engine/model/lean_qwen2.py); stock elsewhere
+            self._lean = LeanQwen2(self.model) if LeanQwen2.supports(self.model) else None
         cfg = self.model.config
         self.vocab_size: int = cfg.vocab_size
         self.eos_token_id: int | None = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else None
         self.max_model_len = min(scheduler_config.max_model_len, cfg.max_position_embeddings)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = SlotKVCache(cfg.num_hidden_layers, scheduler_config.max_num_seqs, cfg.num_key_value_heads,
-                                 self.max_model_len, head_dim, self.model.dtype)
-        # decodes attend with miniserve's kernel where this CPU runs it (engine/model/kernels), else SDPA
-        self.decode_attention = kernels.decode_attention(self.model.dtype, head_dim)
-        self.greedy = kernels.argmax_rows(self.model.dtype) or _torch_greedy
+                                 self.max_model_len, head_dim, self.model.dtype,
+                                 device=self.device if self.generic else None)
+        # decodes attend with miniserve's kernel where this CPU runs it (engine/model/kernels), else SDPA;
+        # the generic path never asks for (or builds) a kernel
+        self.decode_attention = None if self.generic else kernels.decode_attention(self.model.dtype, head_dim)
+        self.greedy = (None if self.generic else kernels.argmax_rows(self.model.dtype)) or _torch_greedy
+        self.timer = DeviceTimer(self.device)
         self._free_slots = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
         self.clock: Callable[[], float] = time.perf_counter  # what a step's end is stamped with
+
+    def kernels_used(self) -> dict[str, bool]:
+        """Which of miniserve's CPU kernels this runner's calls run (a profile records it)."""
+        lean = self._lean
+        return {"gemv": lean is not None and lean.gemv is not None,
+                "decode_attention": self.decode_attention is not None,
+                "layer_ops": lean is not None and lean.ops is not kernels.TORCH_LAYER_OPS,
+                "argmax": self.greedy is not _torch_greedy}
 
     @property
     def num_slots_used(self) -> int:
@@ -82,12 +106,13 @@ class ModelRunner:
                 sample_rows.append(len(token_ids) - 1)
                 sampled.append(requests[rid])
         batch = RaggedBatch.build(slots, list(plan.num_tokens), list(plan.context_lens),
-                                  self.model_config.attention, self.decode_attention)
+                                  self.model_config.attention, self.decode_attention,
+                                  device=self.device if self.generic else None)
         self.cache.batch = batch
-        input_ids = torch.tensor([token_ids], dtype=torch.long)
-        rows = torch.tensor(sample_rows, dtype=torch.long)
-        start = time.perf_counter()
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         with torch.profiler.record_function(plan.label):
+            self.timer.start()
             if self._lean is not None:
                 logits = self._lean(input_ids, batch.positions, batch, self.cache, rows)
             else:
@@ -103,7 +128,7 @@ class ModelRunner:
                 next_tokens = sample(logits, sampled, self.greedy)
             else:
                 next_tokens = self.greedy(logits.contiguous()).tolist()
-        duration = time.perf_counter() - start
+            duration = self.timer.stop()  # synchronised: the region ends when the device is done
         end = self.clock()
         result = StepResult(tuple(next_tokens), duration, end, end)
         return (result, logits.float()) if return_logits else result

@@ -11,6 +11,10 @@
 
 Each returns None where this CPU cannot run it, and the engine keeps oneDNN's linear, SDPA or
 torch's ops for those calls. ``MINISERVE_KERNELS=0`` in the environment turns them all off.
+What each needs is ``NEEDS`` (``can_run`` asks it), against ``features.cpu_features()``: this CPU's
+features less any ``MINISERVE_CPU_FEATURES`` mask. The C++ ops' own ``*_supported`` checks are told
+the same masked set after the build (``miniserve::allow_cpu_features``), so a masked feature is
+absent to the raw ops too.
 
 The build (~10 s with g++ and ninja) is cached by torch.utils.cpp_extension under
 ``$TORCH_EXTENSIONS_DIR`` (default ~/.cache/torch_extensions) and redone only when a source or
@@ -34,6 +38,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.model.kernels.features import cpu_features
+
 MAX_ROWS = 64  # rows per call the kernel takes (kMaxRows in gemv.cpp)
 PANEL = 32  # output columns per panel (kPanel in gemv.cpp)
 SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "decode_attention.cpp", "layer_ops.cpp", "argmax.cpp")]
@@ -41,6 +47,29 @@ HEADERS = [Path(__file__).with_name("simd.h")]
 NAME = "miniserve_kernels"
 STALE_LOCK_S = 300.0  # the build takes ~8 s: a lock this old was left by a build that was killed
 log = logging.getLogger("miniserve.kernels")
+
+
+# the CPU features each kernel needs, by op and dtype (bf16 keys, values and activations are
+# widened by hand, so only gemv's bf16 dot products need AVX512-BF16)
+NEEDS: dict[str, dict[torch.dtype, frozenset[str]]] = {
+    "gemv": {torch.float32: frozenset({"avx512"}), torch.bfloat16: frozenset({"avx512", "avx512_bf16"})},
+    "decode_attention": {torch.float32: frozenset({"avx512"}), torch.bfloat16: frozenset({"avx512"})},
+    "layer_ops": {torch.float32: frozenset({"avx512"}), torch.bfloat16: frozenset({"avx512"})},
+    "argmax": {torch.float32: frozenset({"avx512"}), torch.bfloat16: frozenset({"avx512"})},
+}
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # decode_attention.cpp's
+
+
+def enabled() -> bool:
+    """False when ``MINISERVE_KERNELS=0`` turns the kernels off."""
+    return os.environ.get("MINISERVE_KERNELS", "1") != "0"
+
+
+def can_run(op: str, dtype: torch.dtype, features: frozenset[str] | None = None) -> bool:
+    """Whether this CPU (as masked) has what kernel ``op`` needs for ``dtype``; not whether it is
+    built (``MINISERVE_KERNELS=0``, no compiler)."""
+    need = NEEDS[op].get(dtype)
+    return need is not None and need <= (cpu_features() if features is None else features)
 
 
 @dataclass(frozen=True)
@@ -113,11 +142,14 @@ def _clear_stale_lock() -> None:
 
 @functools.cache
 def _load() -> bool:
-    if os.environ.get("MINISERVE_KERNELS", "1") == "0":
+    if not enabled():
         log.info("MINISERVE_KERNELS=0: the engine runs torch's own kernels (oneDNN, SDPA, stock ops)")
         return False
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        log.warning("no AVX-512 on this CPU: miniserve's kernels are not built; the engine runs torch's own")
+    features = cpu_features()
+    if "avx512" not in features:
+        masked = " (masked by MINISERVE_CPU_FEATURES)" if os.environ.get("MINISERVE_CPU_FEATURES") else ""
+        log.warning("no AVX-512 on this CPU%s: miniserve's kernels are not built; the engine runs torch's own",
+                    masked)
         return False
     try:
         import ninja  # the build tool torch's extension loader runs; on PATH even without an activated venv
@@ -138,7 +170,15 @@ def _load() -> bool:
         log.warning("miniserve's kernels could not be built (%s); the engine runs torch's own",
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
         return False
+    # the raw ops' *_supported checks see the masked features, as the engine does
+    torch.ops.miniserve.allow_cpu_features("avx512" in features, "avx512_bf16" in features)
     return True
+
+
+def _agree(op: str, supported: bool) -> None:
+    """The C++ op's own check must agree with ``NEEDS``: a disagreement is a bug, not a fallback."""
+    if not supported:
+        raise RuntimeError(f"miniserve's {op} kernel refuses a case NEEDS says this CPU runs ({sorted(cpu_features())})")
 
 
 @functools.cache
@@ -146,10 +186,11 @@ def gemv(dtype: torch.dtype):
     """x (rows, k) · panels' weightᵀ + bias for ``dtype`` on this CPU, or None."""
     if not _load():
         return None
-    if not torch.ops.miniserve.gemv_supported(dtype):
+    if not can_run("gemv", dtype):
         log.warning("this CPU has no %s kernel for miniserve's gemv (bf16 needs AVX512-BF16); decode "
                     "linears run on oneDNN", dtype)
         return None
+    _agree("gemv", torch.ops.miniserve.gemv_supported(dtype))
     op = torch.ops.miniserve.gemv.default
 
     def run(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.Tensor:
@@ -164,10 +205,11 @@ def decode_attention(dtype: torch.dtype, head_dim: int):
     query against keys 0..lens[r]-1 of its slot, for ``dtype`` and ``head_dim`` on this CPU, or None."""
     if not _load():
         return None
-    if not torch.ops.miniserve.decode_attention_supported(dtype, head_dim):
+    if not can_run("decode_attention", dtype) or head_dim not in ATTENTION_HEAD_DIMS:
         log.info("no decode attention kernel for %s, head dim %d on this CPU; decodes attend with SDPA",
                  dtype, head_dim)
         return None
+    _agree("decode_attention", torch.ops.miniserve.decode_attention_supported(dtype, head_dim))
     return torch.ops.miniserve.decode_attention.default
 
 
@@ -212,8 +254,9 @@ TORCH_LAYER_OPS = LayerOps(_torch_add_rms_norm, _torch_silu_mul, _torch_rotary_k
 @functools.cache
 def layer_ops(dtype: torch.dtype) -> LayerOps | None:
     """miniserve's fused layer ops for ``dtype`` on this CPU, or None (then TORCH_LAYER_OPS)."""
-    if not _load() or not torch.ops.miniserve.layer_ops_supported(dtype):
+    if not _load() or not can_run("layer_ops", dtype):
         return None
+    _agree("layer_ops", torch.ops.miniserve.layer_ops_supported(dtype))
     ops = torch.ops.miniserve
     return LayerOps(ops.add_rms_norm.default, ops.silu_mul.default, ops.rotary_kv.default)
 
@@ -221,6 +264,7 @@ def layer_ops(dtype: torch.dtype) -> LayerOps | None:
 @functools.cache
 def argmax_rows(dtype: torch.dtype):
     """logits (rows, vocab) -> each row's first index of its largest value, as torch.argmax, or None."""
-    if not _load() or not torch.ops.miniserve.argmax_supported(dtype):
+    if not _load() or not can_run("argmax", dtype):
         return None
+    _agree("argmax", torch.ops.miniserve.argmax_supported(dtype))
     return torch.ops.miniserve.argmax_rows.default

@@ -45,7 +45,7 @@ constexpr int64_t kMaxRows = 64;   // rows per call (engine/kernels/__init__.py 
 using namespace miniserve_simd;
 
 bool cpu_has(bool bf16) {  // bf16 also needs AVX512-BF16's dot products
-  return cpu_has_avx512() && (!bf16 || __builtin_cpu_supports("avx512bf16"));
+  return bf16 ? cpu_has_avx512_bf16() : cpu_has_avx512();
 }
 
 // wp: (panels, K, 32) fp32
@@ -194,11 +194,21 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
   return y;
 }
 
+// The features the engine allows every kernel (MINISERVE_CPU_FEATURES): a masked one is absent to
+// each *_supported check, as it is to the engine.
+void allow_cpu_features(bool avx512, bool avx512_bf16) {
+#ifdef MINISERVE_X86
+  miniserve_simd::allow_avx512().store(avx512);
+  miniserve_simd::allow_avx512_bf16().store(avx512_bf16);
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(miniserve, m) {
   m.def("gemv(Tensor x, Tensor panels, Tensor? bias, int N, int K) -> Tensor");
   m.def("gemv_supported(ScalarType dtype) -> bool", &gemv_supported);
+  m.def("allow_cpu_features(bool avx512, bool avx512_bf16) -> ()", &allow_cpu_features);
 }
 
 TORCH_LIBRARY_IMPL(miniserve, CPU, m) { m.impl("gemv", &gemv); }

@@ -7,6 +7,7 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstdint>
 
 #define MINISERVE_X86 1
@@ -14,10 +15,29 @@
 
 namespace miniserve_simd {
 
+// What the engine allows (MINISERVE_CPU_FEATURES masks features away; engine/model/kernels/
+// features.py): set through miniserve::allow_cpu_features after the build. One instance per
+// library (inline function statics), read by every *_supported check.
+inline std::atomic<bool>& allow_avx512() {
+  static std::atomic<bool> allowed{true};
+  return allowed;
+}
+inline std::atomic<bool>& allow_avx512_bf16() {
+  static std::atomic<bool> allowed{true};
+  return allowed;
+}
+
 inline bool cpu_has_avx512() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return allow_avx512().load(std::memory_order_relaxed) && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512dq");
+}
+
+// bf16 dot products (vdpbf16ps)
+inline bool cpu_has_avx512_bf16() {
+  return cpu_has_avx512() && allow_avx512_bf16().load(std::memory_order_relaxed) &&
+         __builtin_cpu_supports("avx512bf16");
 }
 
 MINISERVE_TARGET inline __mmask16 lanes(int64_t n) {
