@@ -38,7 +38,7 @@ class SchedulerConfig:
         return self.num_kv_blocks * self.block_size
 
 
-MODEL_NAMES = ("tiny", "qwen2_5_0_5b")
+MODEL_NAMES = ("tiny", "qwen2_5_0_5b", "qwen2_5_1_5b", "qwen3_0_6b")
 DTYPES = ("auto", "float32", "bfloat16")  # auto: bf16 where the device has bf16 arithmetic (engine/model/device.py)
 DEVICES = ("auto", "cpu", "cuda", "mps")  # auto: cuda, then mps, then cpu
 ATTENTION_BACKENDS = ("ragged", "masked")
