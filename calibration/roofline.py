@@ -81,9 +81,9 @@ def best_s(fn, repeats: int = 5) -> float:
 
 def memory_read_gb_s(mem_bytes: int = 256 << 20, repeats: int = 3) -> float:
     """Read bandwidth now, in ordinary pages as the engine's weights sit: a quick stamp (~0.1 s)
-    for a real run or a calibration. Decode calls run at memory speed, and the memory this VM gets
-    moves between ~36 and ~66 GB/s with the host's other tenants, so a simulated-vs-real gap with
-    different stamps is the machine, not the model."""
+    for a real run or a calibration. Decode calls run at memory speed, and on a shared host the
+    bandwidth moves with other tenants (docs/architecture.md has this VM's range), so a
+    simulated-vs-real gap with different stamps is the machine, not the model."""
     import torch
 
     buf = torch.ones(mem_bytes // 4)
@@ -109,9 +109,9 @@ class BandwidthProbe:
     """This machine's read bandwidth for one dtype, kept ready so it can be measured again between
     model calls.
 
-    The limit moves: on this 2-core VM the host's other tenants share the memory, and the same
-    probe read 36 GB/s and 66 GB/s fifteen minutes apart. A call's roofline is only meaningful
-    against a probe taken in the same spell, so benchmarks interleave the two.
+    The limit moves: on a shared host other tenants share the memory, and the same probe can read
+    half as much a quarter of an hour later (docs/architecture.md). A call's roofline is only
+    meaningful against a probe taken in the same spell, so benchmarks interleave the two.
 
     Probes: a sum over a buffer far larger than cache, torch's matrix-vector product, and oneDNN's
     pre-packed matrix-vector product over the same buffer; the
@@ -124,8 +124,8 @@ class BandwidthProbe:
 
         esize = torch.empty((), dtype=dtype).element_size()
         rows = mem_bytes // esize // k
-        # The read buffer sits in transparent huge pages: with 4 KiB pages the same sum read
-        # 30-60 GB/s from run to run on this VM (page placement).
+        # The read buffer sits in transparent huge pages: with 4 KiB pages the same sum varied
+        # twofold from run to run (page placement; docs/architecture.md).
         self._buf = mmap.mmap(-1, rows * k * esize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (shared gets no THP)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self._buf.madvise(mmap.MADV_HUGEPAGE)

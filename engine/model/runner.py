@@ -27,7 +27,7 @@ from engine.core.request import Request
 
 
 def _torch_greedy(logits: torch.Tensor) -> torch.Tensor:
-    return logits.float().argmax(dim=-1)  # bf16 argmax is 4x slower than convert + argmax
+    return logits.float().argmax(dim=-1)  # bf16 argmax is slower than convert + argmax (docs/architecture.md)
 
 
 class ModelRunner:
@@ -41,7 +41,7 @@ class ModelRunner:
         self.generic = generic or self.device.type != "cpu"
         self._lean = None
         if not self.generic:
-            pack_linear_weights(self.model)  # 1.3-4x faster linears at decode sizes, fp32 and bf16 alike
+            pack_linear_weights(self.model)  # faster linears at decode sizes, fp32 and bf16 alike (docs)
             # the same arithmetic with less Python per layer (engine/model/lean_qwen2.py); stock elsewhere
             self._lean = LeanQwen2(self.model) if LeanQwen2.supports(self.model) else None
         cfg = self.model.config

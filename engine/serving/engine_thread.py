@@ -27,7 +27,7 @@ clock = time.perf_counter  # CLOCK_MONOTONIC on Linux: comparable across process
 FINISH_REASONS = {RequestStatus.FINISHED_LENGTH: "length", RequestStatus.FINISHED_STOPPED: "stop",
                   RequestStatus.FINISHED_ABORTED: "abort"}
 
-# Step times on CPU run from ~1 ms (tiny model) to seconds (0.5B prefill): millisecond buckets.
+# Step times run from sub-millisecond (tiny model) to seconds (a long prefill on a CPU): millisecond buckets.
 STEP_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 # vLLM's buckets for the request-level latencies, so its dashboards read these unchanged
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
