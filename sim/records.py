@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.observe.metrics import PERCENTILES, REQUEST_COLUMNS, RequestRecord, distribution, summarize
+from engine.observe.metrics import (PERCENTILES, REQUEST_COLUMNS, RequestRecord, distribution, prefix_cache_metrics,
+                                    summarize)
 from engine.core.request import Request
 
 
@@ -109,6 +110,8 @@ class RequestLog:
         self.prompt = array("q")
         self.output = array("q")
         self.preemptions = array("q")
+        self.cached = array("q")
+        self.lookups = array("q")
         self.statuses: list[str] = []
         self.itl = ItlSketch()
 
@@ -129,6 +132,8 @@ class RequestLog:
         self.prompt.append(request.num_prompt_tokens)
         self.output.append(len(times))
         self.preemptions.append(request.num_preemptions)
+        self.cached.append(request.num_cached_tokens)
+        self.lookups.append(request.num_lookup_tokens)
         self.statuses.append(request.status.name)
         self.itl.add_gaps(request.gaps_outside_lane_steps())
 
@@ -149,19 +154,23 @@ class RequestLog:
             prompt = np.array([r.prompt_tokens for r in rs], dtype=np.int64)
             output = np.array([len(r.token_times_s) for r in rs], dtype=np.int64)
             preempt = np.array([r.num_preemptions for r in rs], dtype=np.int64)
+            cached = np.array([r.cached_tokens for r in rs], dtype=np.int64)
+            lookups = np.array([r.lookup_tokens for r in rs], dtype=np.int64)
         else:
             arrival, first_sched, first, finish = (np.frombuffer(a, dtype=np.float64) if a else np.zeros(0)
                                                    for a in (self.arrival, self.first_scheduled,
                                                              self.first_token, self.finish))
-            prompt, output, preempt = (np.frombuffer(a, dtype=np.int64) if a else np.zeros(0, np.int64)
-                                       for a in (self.prompt, self.output, self.preemptions))
+            prompt, output, preempt, cached, lookups = (
+                np.frombuffer(a, dtype=np.int64) if a else np.zeros(0, np.int64)
+                for a in (self.prompt, self.output, self.preemptions, self.cached, self.lookups))
         ttft = first - arrival
         e2e = finish - arrival
         with np.errstate(invalid="ignore", divide="ignore"):
             tpot = np.where(output > 1, (e2e - ttft) / np.maximum(output - 1, 1), math.nan)
         return {"arrival_s": arrival, "first_scheduled_s": first_sched, "first_token_s": first,
                 "finish_s": finish, "prompt_tokens": prompt, "output_tokens": output, "ttft_s": ttft,
-                "tpot_s": tpot, "e2e_s": e2e, "queue_s": first_sched - arrival, "num_preemptions": preempt}
+                "tpot_s": tpot, "e2e_s": e2e, "queue_s": first_sched - arrival, "num_preemptions": preempt,
+                "cached_tokens": cached, "lookup_tokens": lookups}
 
     def summarize(self, duration_s: float | None = None, slo_ttft_s: float | None = None,
                   slo_tpot_s: float | None = None, slo_e2el_s: float | None = None) -> dict:
@@ -199,6 +208,8 @@ class RequestLog:
             "e2el_s": distribution(c["e2e_s"][done].tolist()),
             "queue_s": distribution(c["queue_s"][done].tolist()),
             "num_preemptions": int(c["num_preemptions"].sum()),
+            **prefix_cache_metrics(int(c["lookup_tokens"].sum()), int(c["cached_tokens"].sum()),
+                                   int((c["cached_tokens"] > 0).sum()), len(self)),
         }
 
     def write_csv(self, path: Path) -> None:
@@ -215,4 +226,5 @@ class RequestLog:
                 w.writerow([rid, c["arrival_s"][i], c["first_scheduled_s"][i], c["first_token_s"][i],
                             c["finish_s"][i], int(c["prompt_tokens"][i]), int(c["output_tokens"][i]),
                             c["ttft_s"][i], c["tpot_s"][i], c["e2e_s"][i], c["queue_s"][i],
-                            int(c["num_preemptions"][i]), self.statuses[i], ""])
+                            int(c["num_preemptions"][i]), self.statuses[i], int(c["cached_tokens"][i]),
+                            int(c["lookup_tokens"][i]), ""])

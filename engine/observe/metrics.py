@@ -34,6 +34,8 @@ class RequestRecord:
     output_tokens: int
     num_preemptions: int = 0
     status: str = "FINISHED_LENGTH"
+    lookup_tokens: int = 0  # prefix caching, over its admissions: tokens looked up
+    cached_tokens: int = 0  # and found cached (not computed)
 
     @classmethod
     def from_request(cls, request: Request) -> RequestRecord:
@@ -47,6 +49,8 @@ class RequestRecord:
             output_tokens=request.num_output_tokens,
             num_preemptions=request.num_preemptions,
             status=request.status.name,
+            lookup_tokens=request.num_lookup_tokens,
+            cached_tokens=request.num_cached_tokens,
         )
 
     @property
@@ -119,12 +123,29 @@ def summarize(records: Sequence[RequestRecord], duration_s: float | None = None,
         "e2el_s": distribution(r.e2e_s for r in done),
         "queue_s": distribution(r.queue_s for r in done),
         "num_preemptions": sum(r.num_preemptions for r in records),
+        **prefix_cache_metrics(sum(r.lookup_tokens for r in records), sum(r.cached_tokens for r in records),
+                               sum(r.cached_tokens > 0 for r in records), len(records)),
+    }
+
+
+def prefix_cache_metrics(queries: int, hits: int, hit_requests: int, requests: int) -> dict:
+    """Prefix caching's effect: tokens looked up at admission (prompt, or prompt and outputs on
+    recompute) and found cached, as vLLM's prefix_cache_queries / _hits count them; requests
+    with a hit; prefill tokens saved (the hits) and computed (the rest). Zero hits when off."""
+    return {
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "prefix_hit_rate": hits / queries if queries else 0.0,
+        "prefix_hit_requests": hit_requests,
+        "prefix_hit_rate_requests": hit_requests / requests if requests else 0.0,
+        "prefill_tokens_saved": hits,
+        "prefill_tokens_computed": queries - hits,
     }
 
 
 REQUEST_COLUMNS = ("request_id", "arrival_s", "first_scheduled_s", "first_token_s", "finish_s",
                    "prompt_tokens", "output_tokens", "ttft_s", "tpot_s", "e2e_s", "queue_s",
-                   "num_preemptions", "status", "token_times_s")
+                   "num_preemptions", "status", "cached_tokens", "lookup_tokens", "token_times_s")
 
 
 def write_requests_csv(records: Sequence[RequestRecord], path: Path) -> None:
@@ -135,7 +156,8 @@ def write_requests_csv(records: Sequence[RequestRecord], path: Path) -> None:
             first = r.token_times_s[0] if r.token_times_s else math.nan
             w.writerow([r.request_id, r.arrival_s, r.first_scheduled_s, first, r.finish_s,
                         r.prompt_tokens, r.output_tokens, r.ttft_s, r.tpot_s, r.e2e_s, r.queue_s,
-                        r.num_preemptions, r.status, " ".join(repr(t) for t in r.token_times_s)])
+                        r.num_preemptions, r.status, r.cached_tokens, r.lookup_tokens,
+                        " ".join(repr(t) for t in r.token_times_s)])
 
 
 def read_requests_csv(path: Path) -> list[RequestRecord]:
@@ -146,6 +168,7 @@ def read_requests_csv(path: Path) -> list[RequestRecord]:
             token_times_s=tuple(float(t) for t in row["token_times_s"].split()),
             prompt_tokens=int(row["prompt_tokens"]), output_tokens=int(row["output_tokens"]),
             num_preemptions=int(row["num_preemptions"]), status=row["status"],
+            cached_tokens=int(row.get("cached_tokens") or 0), lookup_tokens=int(row.get("lookup_tokens") or 0),
         ) for row in csv.DictReader(f)]
 
 
