@@ -12,6 +12,7 @@ import numpy as np
 from calibration.cost_model import FEATURES, CostModel, plan_features
 from calibration.fit import Errors, fit_nnls, split_heldout
 from calibration.grid import GRID_SPECS, build_grid
+from calibration.kv_copy import measure_kv_copy
 from calibration.profiler import Measurement, ShapePool, make_runner, measure_engine_runs, measure_shapes, threads_of
 from calibration.roofline import MemoryStamp, ModelShape, measure_machine, roofline_s
 from engine.core.config import ModelConfig
@@ -88,6 +89,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
                                                cfg.progress)
         pool.release()
         overhead, engine_calls = measure_engine_runs(runner, min(8, slots), cfg.overhead_runs)
+        copy = measure_kv_copy(runner)
     measurements += engine_calls
     machine = measure_machine(runner.model.dtype)
     mshape = ModelShape.of(runner.model)
@@ -111,6 +113,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
                         "host": platform.node(), "engine_code": engine_code_version()},
         "fit": fit,
         "step_overhead": overhead.to_dict(),
+        "kv_copy": copy.to_dict(),
         "roofline": {"machine": machine.to_dict(), "heldout": fit["roofline_heldout"]},
         "memory_read_gb_s": {"before": memory.before, "after": memory.after},  # CostModel.memory_read_gb_s
         "grid": {"name": cfg.grid, "spec": asdict(spec), "calls": len(shapes), "engine_calls": len(engine_calls),
@@ -124,7 +127,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
                          for m, p, b, h in zip(measurements, predicted, baseline, heldout)],
     }
     model = CostModel(tuple(float(c) for c in coef), overhead.median_s, FEATURES,
-                      config_fingerprint(model_config), info)
+                      config_fingerprint(model_config), info, copy.s_per_token)
     return Calibration(model, measurements, heldout, predicted, baseline, wall)
 
 

@@ -15,6 +15,10 @@ Torch-free, so the simulator can load a profile without the model. Features (per
   samples@K          the same on the number of sampled rows S (the lm_head matmul, skipped when S=0)
 Tents are ``max(0, 1 − |x − K_i| / gap)`` between neighbouring knots and ``x / K_last`` past the last,
 so a call larger than any measured one extrapolates proportionally (compute-bound).
+
+Outside the fit, ``kv_copy_s_per_token`` charges prefix caching's copies (``plan.kv_copy_tokens``:
+cached blocks loaded into a request's KV slot, computed prompt blocks stored), measured on their
+own (calibration/kv_copy.py); a profile from before it charges nothing.
 """
 
 from __future__ import annotations
@@ -121,6 +125,7 @@ class CostModel:
     feature_names: tuple[str, ...] = FEATURES
     fingerprint: str | None = None  # engine.core.model_shape.config_fingerprint of what was measured
     info: dict = field(default_factory=dict)  # fit errors, device, threads, torch version, date ...
+    kv_copy_s_per_token: float = 0.0  # prefix caching's copies, per token loaded or stored
     _decode_fixed: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -129,7 +134,7 @@ class CostModel:
                                        f"{list(FEATURES)}; recalibrate")
         if len(self.coefficients) != len(FEATURES):
             raise ValueError(f"need {len(FEATURES)} coefficients, got {len(self.coefficients)}")
-        if any(c < 0 for c in self.coefficients) or self.step_overhead_s < 0:
+        if any(c < 0 for c in self.coefficients) or self.step_overhead_s < 0 or self.kv_copy_s_per_token < 0:
             raise ValueError("cost coefficients and step overhead must be non-negative")
 
     def predict(self, plan: BatchPlan) -> float:
@@ -144,7 +149,7 @@ class CostModel:
         c = self.coefficients
         return (c[0] + c[1] * prefill_tokens + c[2] * decodes + c[3] * decode_context + c[4] * prefill_attention
                 + c[5] * requests + _tent_dot(prefill_tokens + decodes, TOKEN_KNOTS, c, _TOKENS_AT)
-                + _tent_dot(samples, SAMPLE_KNOTS, c, _SAMPLES_AT))
+                + _tent_dot(samples, SAMPLE_KNOTS, c, _SAMPLES_AT) + self.kv_copy_s_per_token * plan.kv_copy_tokens)
 
     def predict_decodes(self, num_decodes: int, context_sum: int) -> float:
         """``predict`` of a call that decodes ``num_decodes`` requests (contexts summing to
@@ -176,7 +181,8 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return {"feature_names": list(self.feature_names), "coefficients": list(self.coefficients),
-                "step_overhead_s": self.step_overhead_s, "fingerprint": self.fingerprint, **self.info}
+                "step_overhead_s": self.step_overhead_s, "kv_copy_s_per_token": self.kv_copy_s_per_token,
+                "fingerprint": self.fingerprint, **self.info}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -192,6 +198,6 @@ class CostModel:
                 f"({data.get('model', {}).get('name', '?')}, {data.get('model', {}).get('dtype', '?')}) "
                 f"but this run uses {expect_fingerprint}; calibrate this model first")
         info = {k: v for k, v in data.items()
-                if k not in ("feature_names", "coefficients", "step_overhead_s", "fingerprint")}
+                if k not in ("feature_names", "coefficients", "step_overhead_s", "fingerprint", "kv_copy_s_per_token")}
         return cls(tuple(data["coefficients"]), data.get("step_overhead_s", 0.0),
-                   tuple(data.get("feature_names", ())), fingerprint, info)
+                   tuple(data.get("feature_names", ())), fingerprint, info, data.get("kv_copy_s_per_token", 0.0))

@@ -38,6 +38,13 @@ class Engine:
         self.scheduler_config = scheduler_config
         self.runner = runner or ModelRunner(model_config, scheduler_config)
         self.core = EngineCore(scheduler_config)
+        self._prepare_runner()
+
+    def _prepare_runner(self) -> None:
+        """A runner shared between engines gets a prefix store when this one caches prefixes."""
+        cfg = self.scheduler_config
+        if cfg.enable_prefix_caching:
+            self.runner.prepare_prefix_store(cfg.num_kv_blocks, cfg.block_size)
 
     @property
     def state(self):
@@ -55,6 +62,7 @@ class Engine:
             self.scheduler_config = scheduler_config
         self.runner.free(self.core.state.take_released())  # no next plan will carry them
         self.core = EngineCore(self.scheduler_config, make_scheduler(self.scheduler_config))
+        self._prepare_runner()
 
     def validate(self, request: Request) -> None:
         """Raise a clear ValueError for a request that could never be served."""

@@ -1,9 +1,9 @@
 """Figures and a markdown summary from run directories (reads files only, never runs anything).
 
     python -m experiments.report [sweep_dir=multirun/DATE/TIME] [validate_dir=DIR] [seed_dir=DIR]
-        ["goodput=ttft:2000 tpot:200"] [hydra.run.dir=OUT]
+        [prefix_dir=DIR] ["goodput=ttft:2000 tpot:200"] [hydra.run.dir=OUT]
 
-Any subset of the three inputs. Writes PNGs and summary.md (embedding them) into OUT.
+Any subset of the four inputs. Writes PNGs and summary.md (embedding them) into OUT.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class ReportApp:
     sweep_dir: str | None = None
     validate_dir: str | None = None
     seed_dir: str | None = None
+    prefix_dir: str | None = None  # an experiments.prefix output dir
     goodput: str | None = None  # SLO lines on the sweep's latency panels, vLLM's --goodput syntax (ms)
 
 
@@ -47,7 +48,8 @@ def load_sweep(sweep_dir: Path) -> pd.DataFrame:
         rows.append({**{k: v for k, v in job.items() if not isinstance(v, dict)}, "dir": str(job_file.parent),
                      "output_tok_s": m["output_throughput_tok_s"], "ttft_p50_s": m["ttft_s"]["p50"],
                      "ttft_p99_s": m["ttft_s"]["p99"], "tpot_p99_s": m["tpot_s"]["p99"],
-                     "e2e_p50_s": m["e2el_s"]["p50"], "e2e_p99_s": m["e2el_s"]["p99"]})
+                     "e2e_p50_s": m["e2el_s"]["p50"], "e2e_p99_s": m["e2el_s"]["p99"],
+                     "prefix_hit_rate": m.get("prefix_hit_rate", 0.0)})
     if not rows:
         raise FileNotFoundError(f"no job.json under {sweep_dir}: is it an experiments.sweep output dir?")
     return pd.DataFrame(rows)
@@ -158,6 +160,27 @@ def plot_sim_vs_real(validation: pd.DataFrame, path: Path) -> None:
     plt.close(g.figure)
 
 
+PREFIX_PANELS = (("ttft_p50_s", "TTFT p50 (s)"), ("ttft_p99_s", "TTFT p99 (s)"), ("output_tok_s", "output tok/s"),
+                 ("prefill_tokens", "prefill tokens computed"))
+
+
+def plot_prefix(table: dict[str, dict], path: Path) -> None:
+    """experiments.prefix: caching off vs on, real beside simulated, one panel per metric."""
+    rows = []
+    for name, r in table.items():
+        if "error" in name:
+            continue
+        caching, side = name.split()
+        rows += [{"caching": caching, "run": side, "metric": label, "value": r[key]} for key, label in PREFIX_PANELS]
+    df = pd.DataFrame(rows)
+    g = sns.catplot(df, x="caching", y="value", hue="run", col="metric", kind="bar", sharey=False, height=3,
+                    aspect=0.9, col_wrap=4)
+    g.set_titles("{col_name}")
+    g.set_axis_labels("prefix caching", "")
+    g.figure.savefig(path, dpi=110)
+    plt.close(g.figure)
+
+
 def build_report(app: ReportApp, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = ["# miniserve report", ""]
@@ -189,8 +212,20 @@ def build_report(app: ReportApp, out_dir: Path) -> Path:
         worst = validation.groupby("metric")["rel_error"].agg(lambda s: s.abs().max())
         lines += ["| metric | worst relative error |", "|---|---|"]
         lines += [f"| {metric} | {err:.1%} |" for metric, err in worst.items()] + [""]
+    if app.prefix_dir:
+        table = json.loads((Path(app.prefix_dir) / "prefix.json").read_text())["table"]
+        plot_prefix(table, out_dir / "prefix.png")
+        figure("Prefix caching off and on, real and simulated", "prefix.png")
+        lines += ["| run | calls | prefill tokens | TTFT p50 s | TTFT p99 s | out tok/s | hit rate (tokens) |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, r in table.items():
+            fmt = (lambda v: f"{v:+.1%}") if "error" in name else (lambda v: f"{v:.3g}")  # noqa: E731
+            lines.append(f"| {name} | " + " | ".join(fmt(r[k]) for k in ("calls", "prefill_tokens", "ttft_p50_s",
+                                                                          "ttft_p99_s", "output_tok_s", "hit_rate"))
+                         + " |")
+        lines.append("")
     if len(lines) == 2:
-        raise ValueError("nothing to report: give sweep_dir, validate_dir and/or seed_dir")
+        raise ValueError("nothing to report: give sweep_dir, validate_dir, seed_dir and/or prefix_dir")
     summary = out_dir / "summary.md"
     summary.write_text("\n".join(lines))
     return summary

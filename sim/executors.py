@@ -17,14 +17,15 @@ from engine.core.plan import BatchPlan, StepResult
 from engine.core.request import Request
 
 
-def cost_model_from(step_overhead_s: float = 0.0, fingerprint: str | None = None, **coefficients: float) -> CostModel:
+def cost_model_from(step_overhead_s: float = 0.0, fingerprint: str | None = None, kv_copy_s_per_token: float = 0.0,
+                    **coefficients: float) -> CostModel:
     """A CostModel given by feature name (the rest zero), for tests and stand-ins: it stays valid
     when calibration adds features."""
     unknown = set(coefficients) - set(FEATURES)
     if unknown:
         raise ValueError(f"unknown cost features {sorted(unknown)}; known: {list(FEATURES)}")
     return CostModel(tuple(float(coefficients.get(name, 0.0)) for name in FEATURES), step_overhead_s,
-                     fingerprint=fingerprint)
+                     fingerprint=fingerprint, kv_copy_s_per_token=kv_copy_s_per_token)
 
 
 class SimExecutor(Protocol):

@@ -115,6 +115,8 @@ class RequestLog:
         self.prompt = array("q")
         self.output = array("q")
         self.preemptions = array("q")
+        self.cached = array("q")
+        self.lookups = array("q")
         self.statuses: list[str] = []
         self.itl = ItlSketch()
 
@@ -135,6 +137,8 @@ class RequestLog:
         self.prompt.append(request.num_prompt_tokens)
         self.output.append(len(times))
         self.preemptions.append(request.num_preemptions)
+        self.cached.append(request.num_cached_tokens)
+        self.lookups.append(request.num_lookup_tokens)
         self.statuses.append(request.status.name)
         self.itl.add_gaps(request.gaps_outside_lane_steps())
 
@@ -149,7 +153,8 @@ class RequestLog:
         if self.keep_token_times:
             return record_columns(self.records)
         return request_columns(*(_numpy(a) for a in (self.arrival, self.first_scheduled, self.first_token,
-                                                      self.finish, self.prompt, self.output, self.preemptions)))
+                                                      self.finish, self.prompt, self.output, self.preemptions,
+                                                      self.cached, self.lookups)))
 
     def summarize(self, duration_s: float | None = None, slo_ttft_s: float | None = None,
                   slo_tpot_s: float | None = None, slo_e2el_s: float | None = None) -> dict:

@@ -163,7 +163,7 @@ class Replica:
                 series.replica.append(self.index)
                 series.queue.append(len(waiting))
                 series.active.append(len(running))
-                series.kv_blocks_used.append(kv.num_blocks - kv.num_free)
+                series.kv_blocks_used.append(kv.num_used)
             on_finish = sim.on_finish  # closed loop: a finish issues requests to any replica
             unobserved = on_finish is None and peek() > ready  # no event before the next step
             if not unobserved:

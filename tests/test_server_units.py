@@ -70,3 +70,22 @@ def test_check_limits_blames_the_right_field(ids, max_tokens, param):
         check_limits(ids, max_tokens, vocab_size=50, max_model_len=10, kv_capacity_tokens=64)
     assert err.value.param == param and err.value.status == 400
     check_limits([1] * 5, 5, vocab_size=50, max_model_len=10, kv_capacity_tokens=64)
+
+
+def test_metrics_count_prefix_cache_queries_and_hits_under_vllms_names():
+    def build() -> Engine:
+        engine = Engine(SchedulerConfig(max_num_seqs=2, block_size=4, enable_prefix_caching=True), TINY)
+        engine.warmup()
+        return engine
+
+    thread = EngineThread(build, max_waiting=8)
+    with TestClient(create_app(thread, "tiny"), base_url="http://127.0.0.1") as client:
+        assert thread.ready.wait(60)
+        prompt = list(range(1, 11))
+        for _ in range(2):  # the second finds the first's two full blocks cached
+            body = {"prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+            assert client.post("/v1/completions", json=body).status_code == 200
+        m = parse_prometheus(client.get("/metrics").text)
+        assert m['vllm:prefix_cache_queries_total{model_name="tiny"}'] == 20
+        assert m['vllm:prefix_cache_hits_total{model_name="tiny"}'] == 8
+        assert m["miniserve:prefix_cache_hit_requests_total"] == 1

@@ -84,7 +84,7 @@ def test_a_trace_replays_whole_unless_num_requests_is_set_and_says_so(tmp_path, 
     with caplog.at_level("INFO", logger="engine.observe.workload"):
         whole = generate(WorkloadConfig(arrival="trace", path=str(path), num_requests=None))
     assert len(whole) == 20  # the ten rows with output 0 are left out
-    assert f"trace {path}: 30 rows read, 10 skipped (10 with no prompt or output tokens), 20 replayed" in caplog.text
+    assert f"trace {path} (miniserve): 30 rows read, 10 skipped (10 with no prompt or output tokens), 20 replayed" in caplog.text
     assert len(generate(WorkloadConfig(arrival="trace", path=str(path), num_requests=5))) == 5
     with pytest.raises(ValueError, match="only a trace"):
         WorkloadConfig(arrival="poisson", num_requests=None)
@@ -101,7 +101,19 @@ def test_clipped_lengths_are_counted(trace_path, caplog):
 @pytest.mark.parametrize("text, error", [
     ("arrival_s,prompt_tokens,output_tokens\n0,10,5\n1,ten,5\n", "line 3: expected a time and two token counts"),
     ("arrival_s,prompt_tokens,output_tokens\n2,10,5\n1,10,5\n", "line 3: arrival 1.0 comes before"),
-    ("arrival_s,prompt,output_tokens\n0,10,5\n", "no prompt_tokens column"),
+    ("arrival_s,prompt,output_tokens\n0,10,5\n", "line 1: header .* matches no trace format"),
+    ("arrival_s,prompt_tokens,output_tokens\n0,10,5\n1,-3,5\n", "line 3: negative token count"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,10,5\nyesterday,10,5\n",
+     "line 3: expected a date"),
+    ("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n5.0,GPT-4,10,5,15,Conversation log\n"
+     "4.0,GPT-4,10,5,15,Conversation log\n", "line 3: arrival 4.0 comes before"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n{"timestamp": 5, "input_length": 10}\n',
+     "line 2: Mooncake rows need .* missing \\['output_length'\\]"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n{"timestamp": 5, "input_length": -10, '
+     '"output_length": 5, "hash_ids": [1]}\n', "line 2: negative token count"),
+    ('{"timestamp": 9, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n{"timestamp": 5, "input_length": 10, '
+     '"output_length": 5, "hash_ids": [1]}\n', "line 2: arrival 0.005 comes before"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 5}\nnot json\n', "line 2: not JSON"),
     ("arrival_s,prompt_tokens,output_tokens\n", "holds no requests"),
     ("arrival_s,prompt_tokens,output_tokens\n0,0,5\n", "holds no requests"),
 ])
@@ -112,3 +124,74 @@ def test_a_bad_trace_is_a_clear_error(tmp_path, text, error):
         generate(WorkloadConfig(arrival="trace", path=str(path), num_requests=None))
     with pytest.raises(ValueError, match="cannot read trace"):
         generate(WorkloadConfig(arrival="trace", path=str(tmp_path / "missing.csv"), num_requests=None))
+
+
+FORMATS = {  # one example of each format the README lists: the same three requests
+    "miniserve": "arrival_s,prompt_tokens,output_tokens\n0.0,100,7\n0.5,300,9\n2.0,200,11\n",
+    "splitwise": "arrived_at,num_prefill_tokens,num_decode_tokens\n10.0,100,7\n10.5,300,9\n12.0,200,11\n",
+    "azure": ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0000000,100,7\n"
+              "2023-11-16 18:15:46.5000000,300,9\n2023-11-16 18:15:48.0000000,200,11\n"),
+    "azure2024": ("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00.000000+00:00,100,7\n"
+                  "2024-05-10 00:00:00.500000+00:00,300,9\n2024-05-10 00:00:02.000000+00:00,200,11\n"),
+    "burstgpt": ("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                 "5,ChatGPT,100,7,107,Conversation log\n5.5,ChatGPT,300,9,309,Conversation log\n"
+                 "6,GPT-4,50,0,50,Conversation log\n7,GPT-4,200,11,211,API log\n"),
+    "mooncake": ('{"timestamp": 1000, "input_length": 100, "output_length": 7, "hash_ids": [0]}\n'
+                 '{"timestamp": 1500, "input_length": 300, "output_length": 9, "hash_ids": [0]}\n'
+                 '{"timestamp": 3000, "input_length": 200, "output_length": 11, "hash_ids": [0]}\n'),
+}
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_every_trace_format_is_detected_and_read_alike(tmp_path, name):
+    path = tmp_path / ("t.jsonl" if name == "mooncake" else "t.csv")
+    path.write_text(FORMATS[name])
+    wl = generate(WorkloadConfig(arrival="trace", path=str(path), num_requests=None))
+    assert wl.arrival_s.tolist() == pytest.approx([0.0, 0.5, 2.0])
+    assert wl.prompt_tokens.tolist() == [100, 300, 200] and wl.output_tokens.tolist() == [7, 9, 11]
+    assert (wl.prompt_segments is not None) == (name == "mooncake")
+
+
+def test_mooncake_hash_ids_become_equal_token_prefixes_and_scale_by_block(tmp_path):
+    path = tmp_path / "mooncake.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 1200, "output_length": 10, "hash_ids": [7, 8, 9]}\n'
+                    '{"timestamp": 500, "input_length": 1100, "output_length": 5, "hash_ids": [7, 8, 3]}\n'
+                    '{"timestamp": 900, "input_length": 600, "output_length": 5, "hash_ids": [4, 8]}\n')
+    full = make_requests(generate(WorkloadConfig(arrival="trace", path=str(path), num_requests=None)))
+    a, b, c = (r.prompt_token_ids for r in full)
+    assert len(a) == 1200 and a[:1024] == b[:1024] and a[1024:1100] != b[1024:1100]
+    # the same id after another prefix: the same tokens, but not the same cached block
+    assert a[:512] != c[:512] and a[512:600] == c[512:600]
+    assert full[0].block_hashes(16)[32] != full[2].block_hashes(16)[32]
+    scaled = generate(WorkloadConfig(arrival="trace", path=str(path), num_requests=None, length_scale=1 / 32))
+    assert scaled.prompt_tokens.tolist() == [38, 34, 19]  # 16 tokens per 512-token block, 176 → 6, 76 → 2
+    sa, sb, _ = (r.prompt_token_ids for r in make_requests(scaled, vocab_size=512))
+    assert sa[:32] == sb[:32] and sa[32:] != sb[32:] and max(sa) < 512
+
+
+def test_generated_conversations_resend_their_history():
+    wl = generate(WorkloadConfig(arrival="burst", num_requests=9, content="multi_turn", turns=3, turn_gap_s=1.0,
+                                 prefix_tokens=16, prompt=LengthDist(kind="fixed", value=10),
+                                 output=LengthDist(kind="fixed", value=4)))
+    assert sorted(wl.prompt_tokens.tolist()) == [26] * 3 + [40] * 3 + [54] * 3  # +4 answer +10 message a turn
+    reqs = make_requests(wl)
+    by_len = {}
+    for r in reqs:
+        by_len.setdefault(len(r.prompt_token_ids), []).append(list(r.prompt_token_ids))
+    for second in by_len[40]:  # each second turn starts with one first turn's whole prompt
+        assert any(second[:26] == first for first in by_len[26])
+    assert all(p[:16] == by_len[26][0][:16] for ps in by_len.values() for p in ps)  # one system prompt
+    assert (np.diff(wl.arrival_s) >= 0).all()
+
+
+def test_shared_system_prompts():
+    wl = generate(WorkloadConfig(num_requests=6, content="shared_prefix", prefix_tokens=32, num_prefixes=2))
+    reqs = make_requests(wl)
+    assert wl.prompt_tokens.tolist() == [44] * 6
+    assert reqs[0].prompt_token_ids[:32] == reqs[2].prompt_token_ids[:32] != reqs[1].prompt_token_ids[:32]
+    assert reqs[0].prompt_token_ids[32:] != reqs[2].prompt_token_ids[32:]
+
+
+def test_placeholder_prompts_share_nothing():
+    reqs = make_requests(generate(WorkloadConfig(num_requests=3)))
+    assert len({r.block_hashes(4)[0] for r in reqs}) == 3

@@ -14,6 +14,11 @@ class SchedulerConfig:
     ``num_kv_blocks`` × ``block_size`` is the KV capacity in tokens that the scheduler accounts
     for; the model runner sizes its cache from the same numbers, so running out of blocks in the
     scheduler is exactly running out of cache.
+
+    ``enable_prefix_caching`` keeps computed full prompt blocks cached by content, so a request
+    whose prompt starts like an earlier one's skips that part of its prefill
+    (engine/core/block_pool.py). Off by default, unlike vLLM: the project's length-only workloads
+    have no shared content, and off keeps every earlier run's plans exactly.
     """
 
     name: str = "continuous"
@@ -23,8 +28,11 @@ class SchedulerConfig:
     num_kv_blocks: int = 1024
     block_size: int = 16
     max_model_len: int = 2048
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"scheduler.enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.name not in SCHEDULER_NAMES:
             raise ValueError(f"scheduler.name must be one of {SCHEDULER_NAMES}, got {self.name!r}")
         for field in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",

@@ -38,6 +38,11 @@ class BatchPlan:
     lane_context_sum: int = 0
     lane_ids: LaneIds | None = field(default=None, repr=False)  # the lane part's (ids, contexts), while current
     _lane_part: tuple[tuple[str, ...], tuple[int, ...]] | None = field(default=None, repr=False)
+    # prefix caching (engine/core/block_pool.py): cached blocks to copy into a request's KV before
+    # the call (its prefix hit), blocks the call completes to store after it, and their tokens
+    kv_loads: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (request, block ids)
+    kv_saves: tuple[tuple[str, int, int], ...] = ()  # (request, block index, block id)
+    kv_copy_tokens: int = 0  # tokens loaded + stored: what the copies cost
 
     def __post_init__(self) -> None:
         if self.lane_size and self.lane_ids is None:
@@ -152,7 +157,7 @@ class BatchPlan:
 
     def _key(self) -> tuple:
         return (self.scheduler, self.request_ids, self.num_tokens, self.context_lens, self.samples,
-                self.num_decodes, self.preempted_ids)
+                self.num_decodes, self.preempted_ids, self.kv_loads, self.kv_saves)
 
     def __eq__(self, other: object) -> bool:
         """Plans are equal when they ask for the same call, however their decodes are carried."""

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
+from engine.core.block_pool import block_hashes
+
 if TYPE_CHECKING:
     from engine.core.lane import DecodeLane
     from engine.core.sampling import SamplingParams
@@ -56,6 +58,11 @@ class Request:
     num_preemptions: int = 0
     sampling: SamplingParams | None = None
     output_logprobs: list = field(default_factory=list)
+    # prefix caching, summed over admissions (a preempted request is looked up again): tokens
+    # looked up (its num_tokens then) and tokens found cached, which it did not compute
+    num_lookup_tokens: int = field(default=0, init=False)
+    num_cached_tokens: int = field(default=0, init=False)
+    _block_hashes: list[int] | None = field(default=None, init=False, repr=False)
     # progress, explicit; or, in a lane, minus the lane's clock (times: those before joining)
     _computed: int = field(default=0, init=False, repr=False)
     _num_output: int = field(default=0, init=False, repr=False)
@@ -119,6 +126,14 @@ class Request:
             return True
         n = self._num_output
         return n > 0 and self._computed == len(self.prompt_token_ids) + n - 1
+
+    def block_hashes(self, block_size: int) -> list[int]:
+        """Chained content hashes of the prompt's full blocks (engine.core.block_pool), computed
+        once: only prompt blocks are cached, since a simulated request's outputs have no values."""
+        hashes = self._block_hashes
+        if hashes is None:
+            hashes = self._block_hashes = block_hashes(self.prompt_token_ids, block_size)
+        return hashes
 
     def token_ids(self, start: int, count: int) -> list[int]:
         """Token ids ``[start, start + count)`` of prompt followed by output."""

@@ -1,59 +1,16 @@
-"""The serving state both the engine and the simulator mutate: queues and KV-block accounting."""
+"""The serving state both the engine and the simulator mutate: queues and KV-block accounting
+(the pool and its prefix cache: engine/core/block_pool.py)."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
 
+from engine.core.block_pool import KVBlockPool
 from engine.core.config import SchedulerConfig
 from engine.core.lane import BY_ADMISSION, DecodeLane
 from engine.core.plan import BatchPlan, LaneIds
 from engine.core.request import Request, RequestStatus
-
-
-class KVBlockPool:
-    """Counts fixed-size KV blocks per request; the model runner's cache has the same capacity."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_free = num_blocks
-        self.held: dict[str, int] = {}
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - self.num_free
-
-    def grow(self, request_id: str, num_tokens: int) -> bool:
-        """Make ``request_id`` hold enough blocks for ``num_tokens``; False (and no change) if short."""
-        have = self.held.get(request_id, 0)
-        need = -(-num_tokens // self.block_size) - have  # blocks_for, inlined: called per request per step
-        if need <= 0:
-            return True
-        if need > self.num_free:
-            return False
-        self.num_free -= need
-        self.held[request_id] = have + need
-        return True
-
-    def can_grow(self, request_id: str, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) - self.held.get(request_id, 0) <= self.num_free
-
-    def add_block_each(self, request_ids: list[str]) -> bool:
-        """One more block for each request (all holding some already), or False (and no change)
-        if the pool is short."""
-        if len(request_ids) > self.num_free:
-            return False
-        for request_id in request_ids:
-            self.held[request_id] += 1
-        self.num_free -= len(request_ids)
-        return True
-
-    def release(self, request_id: str) -> None:
-        self.num_free += self.held.pop(request_id, 0)
 
 
 class ServingState:
@@ -66,7 +23,7 @@ class ServingState:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.kv = KVBlockPool(config.num_kv_blocks, config.block_size)
+        self.kv = KVBlockPool(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
@@ -74,6 +31,10 @@ class ServingState:
         self.lane = DecodeLane(config.block_size)
         self._num_admitted = 0
         self.released: list[str] = []  # ids whose KV the executor is yet to free (take_released)
+        # prefix caching, over every admission: tokens looked up, found cached; requests with a hit
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.prefix_hit_requests = 0
 
     # --- arrivals ------------------------------------------------------------------------------
     def validate(self, request: Request) -> None:
@@ -105,12 +66,37 @@ class ServingState:
         return bool(self.waiting or self.running)
 
     # --- transitions the schedulers use ------------------------------------------------------
-    def admit(self, request: Request) -> None:
-        """Move the head of the waiting queue into the running set."""
+    def prefix_hit(self, request: Request) -> tuple[int, list[int]]:
+        """(tokens, block ids) of the longest cached prefix of a waiting request's prompt, at
+        least one token short of everything it needs, so its admission still samples a token.
+        (0, []) without prefix caching. Nothing changes until ``kv.grow(..., shared=ids)``."""
+        if not self.kv.caching:
+            return 0, []
+        block_size = self.config.block_size
+        usable = (request.num_tokens - 1) // block_size
+        ids = self.kv.lookup(request.block_hashes(block_size)[:usable])
+        return len(ids) * block_size, ids
+
+    def plan_saves(self, request: Request, num_tokens: int) -> list[tuple[int, int]]:
+        """(block index, block id) of the request's full prompt blocks that a chunk of
+        ``num_tokens`` from its computed tokens completes: the executor stores their KV."""
+        end = min(request.num_computed_tokens + num_tokens, request.num_prompt_tokens) // self.config.block_size
+        return self.kv.plan_saves(request.request_id, end)
+
+    def admit(self, request: Request, cached_tokens: int = 0) -> None:
+        """Move the head of the waiting queue into the running set; its first ``cached_tokens``
+        are a prefix hit (``prefix_hit``; their blocks are already referenced)."""
         if not self.waiting or self.waiting[0] is not request:
             raise ValueError("only the head of the waiting queue can be admitted")
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = cached_tokens
+        request.num_lookup_tokens += request.num_tokens
+        request.num_cached_tokens += cached_tokens
+        self.prefix_queries += request.num_tokens
+        if cached_tokens:
+            self.prefix_hits += cached_tokens
+            self.prefix_hit_requests += 1
         self._num_admitted += 1
         request.admit_seq = self._num_admitted
         self.running.append(request)
@@ -219,6 +205,7 @@ class ServingState:
             k = 0
         requests = self.requests
         joining: list[Request] = []
+        pending = self.kv.pending  # prefix blocks this step computed, to be cached now
         for request_id, n, sampled in entries:
             request = requests.get(request_id)
             if request is None:  # aborted while the call ran
@@ -227,6 +214,8 @@ class ServingState:
             if request.first_scheduled_s is None:
                 request.first_scheduled_s = start_s
             request.num_computed_tokens += n
+            if pending and request_id in pending:
+                self.kv.commit(request_id, request.block_hashes(self.config.block_size))
             if sampled:
                 request.append_output(token_ids[k] if token_ids is not None else None, end_s)
                 k += 1
@@ -293,7 +282,7 @@ class ServingState:
     def check_invariants(self) -> None:
         """Conservation of blocks and requests; tests call it after every step."""
         kv = self.kv
-        assert kv.num_free >= 0 and kv.num_free + sum(kv.held.values()) == kv.num_blocks
+        kv.check()
         assert len(self.running) <= self.config.max_num_seqs
         ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
         assert len(ids) == len(set(ids)) == len(self.requests)
@@ -305,3 +294,4 @@ class ServingState:
         assert self.lane.members == [r for r in self.running if r.lane is not None]
         for r in self.waiting:
             assert r.request_id not in kv.held and r.num_computed_tokens == 0
+        assert not kv.pending  # saves are planned and committed within one step

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
+from itertools import groupby
 
 import torch
 
@@ -21,6 +22,7 @@ from engine.core.config import ModelConfig, SchedulerConfig
 from engine.model.device import DeviceTimer, resolve
 from engine.model.lean_qwen2 import LeanQwen2
 from engine.model.loader import load_model, pack_linear_weights
+from engine.model.prefix_store import PrefixKVStore
 from engine.model.sampler import needs_sampler, sample
 from engine.core.plan import BatchPlan, StepResult
 from engine.core.request import Request
@@ -60,6 +62,16 @@ class ModelRunner:
         self._free_slots = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
         self.clock: Callable[[], float] = time.perf_counter  # what a step's end is stamped with
+        self.prefix_store: PrefixKVStore | None = None  # cached prefix blocks' KV (prefix caching)
+        if scheduler_config.enable_prefix_caching:
+            self.prepare_prefix_store(scheduler_config.num_kv_blocks, scheduler_config.block_size)
+
+    def prepare_prefix_store(self, num_blocks: int, block_size: int) -> None:
+        """Room for ``num_blocks`` cached prefix blocks (engine/model/prefix_store.py), for an
+        engine whose scheduler caches prefixes; a store already big enough is kept."""
+        store = self.prefix_store
+        if store is None or store.block_size != block_size or len(store.keys[0]) < num_blocks:
+            self.prefix_store = PrefixKVStore.like(self.cache, num_blocks, block_size)
 
     def kernels_used(self) -> dict[str, bool]:
         """Which of miniserve's CPU kernels this runner's calls run (a profile records it)."""
@@ -81,13 +93,31 @@ class ModelRunner:
             if slot is not None:
                 self._free_slots.append(slot)
 
-    def _slot(self, request_id: str, context_len: int) -> int:
+    def _slot(self, request_id: str, context_len: int, cached_len: int = 0) -> int:
         slot = self._slot_of.get(request_id)
         if slot is None:
-            if context_len != 0:
+            if context_len != cached_len:
                 raise RuntimeError(f"request {request_id} resumes at {context_len} tokens but holds no KV slot")
             slot = self._slot_of[request_id] = self._free_slots.pop()
         return slot
+
+    def _copy_prefixes(self, plan: BatchPlan, saves: bool) -> None:
+        """Prefix caching: hit blocks from the store into their request's slot (before the
+        forward), or the prompt blocks the forward completed from the slot to the store (after)."""
+        store = self.prefix_store
+        if store is None:
+            raise RuntimeError("the plan copies cached prefix blocks, but this runner has no prefix store "
+                               "(prepare_prefix_store)")
+        if not saves:
+            for rid, block_ids in plan.kv_loads:
+                store.load(self.cache, self._slot_of[rid], block_ids)
+            return
+        for rid, blocks in groupby(plan.kv_saves, key=lambda save: save[0]):
+            blocks = list(blocks)
+            first = blocks[0][1]
+            if [b[1] for b in blocks] != list(range(first, first + len(blocks))):
+                raise ValueError(f"request {rid}: saved prefix blocks must be consecutive, got {blocks}")
+            store.save(self.cache, self._slot_of[rid], first, [b[2] for b in blocks])
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float | None = None, *,
@@ -99,9 +129,15 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampled: list[Request] = []
         slots: list[int] = []
+        cached = {}  # requests starting from a prefix hit: tokens the store gives them
+        if plan.kv_loads:
+            if self.prefix_store is None:
+                raise RuntimeError("the plan loads cached prefix blocks, but this runner has no prefix store "
+                                   "(prepare_prefix_store)")
+            cached = {rid: len(ids) * self.prefix_store.block_size for rid, ids in plan.kv_loads}
         for rid, n, ctx, samples in zip(plan.request_ids, plan.num_tokens, plan.context_lens, plan.samples):
             token_ids += requests[rid].token_ids(ctx, n)
-            slots.append(self._slot(rid, ctx))
+            slots.append(self._slot(rid, ctx, cached.get(rid, 0)))
             if samples:
                 sample_rows.append(len(token_ids) - 1)
                 sampled.append(requests[rid])
@@ -113,6 +149,8 @@ class ModelRunner:
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         with torch.profiler.record_function(plan.label):
             self.timer.start()
+            if plan.kv_loads:
+                self._copy_prefixes(plan, saves=False)
             if self._lean is not None:
                 logits = self._lean(input_ids, batch.positions, batch, self.cache, rows)
             else:
@@ -124,6 +162,8 @@ class ModelRunner:
                     use_cache=False,
                     logits_to_keep=rows,
                 ).logits[0]
+            if plan.kv_saves:
+                self._copy_prefixes(plan, saves=True)
             if needs_sampler(sampled):
                 next_tokens = sample(logits, sampled, self.greedy)
             else:

@@ -6,9 +6,8 @@ requests for the same settings.
 
 from __future__ import annotations
 
-import csv
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -16,16 +15,16 @@ from pathlib import Path
 import numpy as np
 
 from engine.core.request import Request
+from engine.observe import prompts
+from engine.observe.prompts import Segments
+from engine.observe.traces import read_rows
 
 log = logging.getLogger(__name__)
 
 ARRIVALS = ("burst", "poisson", "gamma", "trace", "closed_loop")
 LENGTH_KINDS = ("fixed", "cycle", "uniform", "lognormal", "empirical")
-TRACE_COLUMNS = {  # our names, then the Splitwise/Vidur names
-    "arrival_s": ("arrival_s", "arrived_at"),
-    "prompt_tokens": ("prompt_tokens", "num_prefill_tokens"),
-    "output_tokens": ("output_tokens", "num_decode_tokens"),
-}
+CONTENTS = ("random", "shared_prefix", "multi_turn")
+PLACEHOLDER_STRIDE = 1 << 40  # simulated prompts without content: request i's ids start at i × this
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,15 @@ class WorkloadConfig:
     and lengths multiplied by ``length_scale`` (to fit a CPU), every row replayed unless
     ``num_requests`` is set (then the first ones); ``closed_loop``: ``concurrency``
     clients, each issuing its next request the moment its previous one finishes (arrival times
-    are then decided by the run, not here)."""
+    are then decided by the run, not here).
+
+    ``content`` says what prompts hold (engine/observe/prompts.py): ``random`` (no two share
+    anything; a trace with ``hash_ids`` keeps its own), ``shared_prefix`` (one of
+    ``num_prefixes`` system prompts of ``prefix_tokens``, then the request's own ``prompt``
+    tokens), ``multi_turn`` (the arrivals start conversations of ``turns`` turns, each
+    ``turn_gap_s`` on average (exponential) after the last, resending the history: system prompt
+    of ``prefix_tokens``, earlier messages and answers; ``prompt`` is each new message's length,
+    ``prompt.max`` the longest prompt, ``num_requests`` counts turns)."""
 
     arrival: str = "burst"
     num_requests: int | None = 16  # None: the whole trace (arrival=trace only)
@@ -94,8 +101,19 @@ class WorkloadConfig:
     length_scale: float = 1.0
     concurrency: int = 1
     seed: int = 0
+    content: str = "random"
+    prefix_tokens: int = 0
+    num_prefixes: int = 1
+    turns: int = 1
+    turn_gap_s: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.content not in CONTENTS:
+            raise ValueError(f"workload.content must be one of {CONTENTS}, got {self.content!r}")
+        if self.content != "random" and self.arrival in ("trace", "closed_loop"):
+            raise ValueError(f"workload.content={self.content} needs an open-loop arrival (burst, poisson, gamma)")
+        if self.prefix_tokens < 0 or self.num_prefixes < 1 or self.turns < 1 or not self.turn_gap_s >= 0:
+            raise ValueError("workload.prefix_tokens must be >= 0, num_prefixes and turns >= 1, turn_gap_s >= 0")
         if self.arrival not in ARRIVALS:
             raise ValueError(f"workload.arrival must be one of {ARRIVALS}, got {self.arrival!r}")
         if self.num_requests is None and self.arrival != "trace":
@@ -119,6 +137,7 @@ class Workload:
     prompt_tokens: np.ndarray
     output_tokens: np.ndarray
     concurrency: int | None = None
+    prompt_segments: Sequence[Segments] | None = None  # prompt content (prompts.py); None: lengths only
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -139,53 +158,22 @@ class TraceRead:
     rows: int
     skipped: dict[str, int]
     workload: Workload
+    format: str = "miniserve"
 
     def summary(self, replayed: int, clipped: int = 0) -> str:
         skipped = sum(self.skipped.values())
         reasons = ", ".join(f"{n} {why}" for why, n in self.skipped.items()) or "none"
-        line = (f"trace {self.path}: {self.rows} rows read, {skipped} skipped ({reasons}), "
+        line = (f"trace {self.path} ({self.format}): {self.rows} rows read, {skipped} skipped ({reasons}), "
                 f"{replayed} replayed")
         return line + (f", {clipped} with lengths clipped to workload.prompt.max/output.max" if clipped else "")
 
 
 def read_trace(path: str | Path) -> TraceRead:
-    """Every row of a trace CSV. A row with a prompt or output of no tokens is skipped (and
-    counted: it has nothing to serve); a row that is not numbers, a missing column, times that go
-    backwards or an empty trace are errors naming the line."""
-    try:
-        f = open(path, newline="")
-    except OSError as err:
-        raise ValueError(f"cannot read trace {path}: {err.strerror}") from err
-    with f:
-        reader = csv.DictReader(f)
-        names = {}
-        for ours, candidates in TRACE_COLUMNS.items():
-            found = [c for c in candidates if c in (reader.fieldnames or ())]
-            if not found:
-                raise ValueError(f"trace {path} has no {ours} column (tried {candidates}; "
-                                 f"its header is {reader.fieldnames})")
-            names[ours] = found[0]
-        rows, skipped, last = [], {}, -float("inf")
-        for line, r in enumerate(reader, start=2):
-            try:
-                t, p, o = (float(r[names["arrival_s"]]), int(r[names["prompt_tokens"]]),
-                           int(r[names["output_tokens"]]))
-            except (TypeError, ValueError):
-                raise ValueError(f"trace {path} line {line}: expected a time and two token counts, got "
-                                 f"{[r.get(n) for n in names.values()]}") from None
-            if t < last:
-                raise ValueError(f"trace {path} line {line}: arrival {t} comes before the previous row's {last}")
-            last = t
-            if p < 1 or o < 1:
-                why = "with no prompt or output tokens"
-                skipped[why] = skipped.get(why, 0) + 1
-                continue
-            rows.append((t, p, o))
-    if not rows:
-        raise ValueError(f"trace {path} holds no requests" + (f" (skipped: {skipped})" if skipped else ""))
-    arr = np.asarray(rows, dtype=float)
-    workload = Workload(arr[:, 0], arr[:, 1].astype(np.int64), arr[:, 2].astype(np.int64))
-    return TraceRead(str(path), len(rows) + sum(skipped.values()), skipped, workload)
+    """Every request of a trace, its format detected (engine/observe/traces.py); a bad row is an
+    error naming its line."""
+    rows = read_rows(path)
+    workload = Workload(rows.arrival_s, rows.prompt_tokens, rows.output_tokens, prompt_segments=rows.segments)
+    return TraceRead(rows.path, rows.rows, rows.skipped, workload, rows.format)
 
 
 def trace_workload(cfg: WorkloadConfig) -> Workload:
@@ -196,9 +184,16 @@ def trace_workload(cfg: WorkloadConfig) -> Workload:
     arrival = (trace.arrival_s[take] - trace.arrival_s[0]) / cfg.time_scale
     prompt = np.maximum(1, np.rint(trace.prompt_tokens[take] * cfg.length_scale)).astype(np.int64)
     output = np.maximum(1, np.rint(trace.output_tokens[take] * cfg.length_scale)).astype(np.int64)
+    segments = None
+    if trace.prompt_segments is not None:  # scaled segment by segment: equal blocks stay equal
+        segments = [prompts.scale_segments(seg, cfg.length_scale, 1 << 62) for seg in trace.prompt_segments[take]]
+        prompt = np.asarray([prompts.num_tokens(seg) for seg in segments], dtype=np.int64)
     clipped = int(np.count_nonzero((prompt > cfg.prompt.max) | (output > cfg.output.max)))
     log.info(read.summary(len(arrival), clipped))
-    return Workload(arrival, np.minimum(prompt, cfg.prompt.max), np.minimum(output, cfg.output.max))
+    if segments is not None:
+        segments = [prompts.scale_segments(seg, 1.0, cfg.prompt.max) for seg in segments]
+    return Workload(arrival, np.minimum(prompt, cfg.prompt.max), np.minimum(output, cfg.output.max),
+                    prompt_segments=segments)
 
 
 def generate(cfg: WorkloadConfig) -> Workload:
@@ -214,21 +209,54 @@ def generate(cfg: WorkloadConfig) -> Workload:
         gaps[0] = 0.0
         arrival = np.cumsum(gaps)
     concurrency = cfg.concurrency if cfg.arrival == "closed_loop" else None
-    return Workload(arrival, cfg.prompt.sample(n, rng), cfg.output.sample(n, rng), concurrency)
+    if cfg.content == "multi_turn":
+        return _multi_turn(cfg, arrival, rng)
+    prompt, output = cfg.prompt.sample(n, rng), cfg.output.sample(n, rng)
+    if cfg.content == "shared_prefix":
+        segments = prompts.shared_prefix(prompt.tolist(), cfg.prefix_tokens, cfg.num_prefixes)
+        return Workload(arrival, prompt + cfg.prefix_tokens, output, prompt_segments=segments)
+    return Workload(arrival, prompt, output, concurrency)
+
+
+def _multi_turn(cfg: WorkloadConfig, starts: np.ndarray, rng: np.random.Generator) -> Workload:
+    """``num_requests`` turns of conversations that start at ``starts`` (prompts.multi_turn)."""
+    n = cfg.num_requests
+    shape = (n, cfg.turns)  # at most n conversations are needed; their first turns come first
+    gaps = rng.exponential(cfg.turn_gap_s, shape) if cfg.turn_gap_s > 0 else np.zeros(shape)
+    user = cfg.prompt.sample(n * cfg.turns, rng).reshape(shape)
+    output = cfg.output.sample(n * cfg.turns, rng).reshape(shape)
+    conversations = -(-n // cfg.turns)
+    arrival, segments, out = prompts.multi_turn(starts[:conversations], cfg.turns, gaps, user, output,
+                                                cfg.prefix_tokens, cfg.prompt.max)
+    if len(arrival) < n:  # conversations ended early at prompt.max: more of them
+        arrival, segments, out = prompts.multi_turn(starts, cfg.turns, gaps, user, output, cfg.prefix_tokens,
+                                                    cfg.prompt.max)
+    arrival, segments, out = arrival[:n], segments[:n], out[:n]
+    if len(arrival) == 0:
+        raise ValueError(f"workload.prompt.max={cfg.prompt.max} leaves no room for a first turn")
+    return Workload(arrival - arrival[0], np.asarray([prompts.num_tokens(s) for s in segments], dtype=np.int64),
+                    out, prompt_segments=segments)
 
 
 def iter_requests(workload: Workload, vocab_size: int | None = None, seed: int = 0,
                   prefix: str = "req") -> Iterator[Request]:
     """``make_requests`` one at a time, so a long simulation never holds every request at once."""
     rng = np.random.default_rng(seed)
+    segments = workload.prompt_segments
     for i, (t, p, o) in enumerate(zip(workload.arrival_s.tolist(), workload.prompt_tokens.tolist(),
                                       workload.output_tokens.tolist())):
-        prompt = rng.integers(0, vocab_size, p).tolist() if vocab_size else range(p)
+        if segments is not None:  # the same token ids in real and simulated runs
+            prompt = prompts.expand(segments[i])
+        elif vocab_size:
+            prompt = rng.integers(0, vocab_size, p).tolist()
+        else:  # no values, only a length; ids unique to the request, so prefix caching finds nothing
+            prompt = range(i * PLACEHOLDER_STRIDE, i * PLACEHOLDER_STRIDE + p)
         yield Request(f"{prefix}-{i}", prompt, o, arrival_s=t)
 
 
 def make_requests(workload: Workload, vocab_size: int | None = None, seed: int = 0,
                   prefix: str = "req") -> list[Request]:
-    """Requests with random prompt ids in the vocabulary, or placeholder ``range`` prompts
-    (length only) when ``vocab_size`` is None, as the simulator needs."""
+    """Requests with the workload's prompt content if it has any; else random prompt ids in the
+    vocabulary, or placeholder ``range`` prompts (length only) when ``vocab_size`` is None, as
+    the simulator needs."""
     return list(iter_requests(workload, vocab_size, seed, prefix))

@@ -104,6 +104,9 @@ class EngineStats:
     aborted: int = 0
     failed: int = 0
     preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up at admission (engine.core.state), and found cached
+    prefix_cache_hits: int = 0
+    prefix_hit_requests: int = 0
     steps_by_phase: dict[str, int] = field(default_factory=dict)
     step_s: Histogram = field(default_factory=Histogram)
     model_s: Histogram = field(default_factory=Histogram)
@@ -317,6 +320,9 @@ class EngineThread:
         stats.num_running = len(engine.core.state.running)
         stats.kv_blocks_used = engine.core.state.kv.num_used
         stats.kv_slots_used = engine.runner.num_slots_used
+        state = engine.core.state
+        stats.prefix_cache_queries, stats.prefix_cache_hits = state.prefix_queries, state.prefix_hits
+        stats.prefix_hit_requests = state.prefix_hit_requests
 
     def _cancel_all(self, reason: str) -> None:
         self._cancel_live(reason)

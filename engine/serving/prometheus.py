@@ -36,6 +36,8 @@ def prometheus_text(engine: EngineThread, rejected: dict[str, int], model_name: 
     metric("requests_aborted_total", "counter", "Requests cancelled (client gone, shutdown)", [("", s.aborted)])
     metric("requests_rejected_total", "counter", "Requests refused before acceptance",
            [(f'{{reason="{k}"}}', v) for k, v in rejected.items()])
+    metric("prefix_cache_hit_requests_total", "counter", "Admissions that found part of their prompt cached",
+           [("", s.prefix_hit_requests)])
     metric("steps_total", "counter", "Engine iterations by plan phase",
            [(f'{{phase="{k}"}}', v) for k, v in sorted(s.steps_by_phase.items())])
     histogram("step_duration_seconds", "One engine iteration: schedule, model call, apply", s.step_s)
@@ -54,6 +56,10 @@ def prometheus_text(engine: EngineThread, rejected: dict[str, int], model_name: 
            "vllm")
     metric("generation_tokens_total", "counter", "Output tokens generated", [(one[0][0], s.generation_tokens)],
            "vllm")
+    metric("prefix_cache_queries_total", "counter", "Tokens looked up in the prefix cache at admission",
+           [(one[0][0], s.prefix_cache_queries)], "vllm")
+    metric("prefix_cache_hits_total", "counter", "Tokens found in the prefix cache (not computed)",
+           [(one[0][0], s.prefix_cache_hits)], "vllm")
     histogram("time_to_first_token_seconds", "Arrival to first output token", s.ttft_s, "vllm", label)
     histogram("time_per_output_token_seconds", "Mean gap between output tokens of a request", s.tpot_s, "vllm",
               label)

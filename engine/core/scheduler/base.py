@@ -39,7 +39,7 @@ class PlanBuilder:
     or one by one), then prefill chunks. Preempting a request takes its entry back out and
     refunds its tokens; decodes taken together are listed one by one first."""
 
-    __slots__ = ("state", "budget", "together", "decodes", "prefills", "preempted")
+    __slots__ = ("state", "budget", "together", "decodes", "prefills", "preempted", "loads", "saves")
 
     def __init__(self, state: ServingState, budget: int) -> None:
         self.state = state
@@ -48,6 +48,8 @@ class PlanBuilder:
         self.decodes: dict[str, int] = {}  # one by one: id -> context
         self.prefills: dict[str, tuple[int, int, bool]] = {}  # id -> (tokens, context, samples)
         self.preempted: list[str] = []
+        self.loads: dict[str, tuple[int, ...]] = {}  # prefix caching: id -> cached blocks it starts from
+        self.saves: dict[str, list[tuple[int, int]]] = {}  # id -> (block index, id) its chunk completes
 
     def add_together(self, part: tuple[int, int, LaneIds]) -> None:
         self.together = part
@@ -57,10 +59,17 @@ class PlanBuilder:
         self.decodes[request.request_id] = request.num_computed_tokens
         self.budget -= 1
 
-    def add_prefill(self, request: Request, n: int) -> None:
+    def add_prefill(self, request: Request, n: int, loads: tuple[int, ...] | list[int] = ()) -> None:
+        """A chunk of ``n`` tokens; ``loads``: the cached blocks a just admitted request starts from."""
         remaining = request.num_tokens - request.num_computed_tokens
         self.prefills[request.request_id] = (n, request.num_computed_tokens, n == remaining)
         self.budget -= n
+        if self.state.kv.caching:
+            if loads:
+                self.loads[request.request_id] = tuple(loads)
+            saves = self.state.plan_saves(request, n)
+            if saves:
+                self.saves[request.request_id] = saves
 
     def reserve(self, request: Request, n: int) -> bool:
         """KV blocks for ``n`` more tokens of ``request``, preempting the newest running requests
@@ -87,6 +96,8 @@ class PlanBuilder:
             self.budget += 1
         elif victim.request_id in self.prefills:
             self.budget += self.prefills.pop(victim.request_id)[0]
+            self.loads.pop(victim.request_id, None)
+            self.saves.pop(victim.request_id, None)  # its block ids went back with its blocks
         return victim
 
     def build(self, scheduler: str) -> BatchPlan | None:
@@ -106,5 +117,11 @@ class PlanBuilder:
             tokens += chunks
             contexts += chunk_contexts
             sampled += chunk_samples
-        return BatchPlan(scheduler, ids, tokens, contexts, sampled, nd, tuple(self.preempted),
+        plan = BatchPlan(scheduler, ids, tokens, contexts, sampled, nd, tuple(self.preempted),
                          lane_size, lane_context_sum, lane_ids)
+        if self.loads or self.saves:
+            plan.kv_loads = tuple(self.loads.items())
+            plan.kv_saves = tuple((rid, i, b) for rid, blocks in self.saves.items() for i, b in blocks)
+            copied = sum(len(b) for b in self.loads.values()) + len(plan.kv_saves)
+            plan.kv_copy_tokens = copied * self.state.config.block_size
+        return plan

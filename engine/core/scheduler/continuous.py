@@ -59,12 +59,14 @@ class ContinuousScheduler(Scheduler):
                 step.add_prefill(request, n)
 
     def _schedule_admissions(self, state: ServingState, step: PlanBuilder) -> None:
-        """Waiting requests, first come first served, while budget, seats and blocks allow."""
+        """Waiting requests, first come first served, while budget, seats and blocks allow; each
+        starts past its cached prefix (prefix caching)."""
         cfg = self.config
         while state.waiting and step.budget > 0 and len(state.running) < cfg.max_num_seqs:
             request = state.waiting[0]
-            n = min(request.num_tokens, cfg.long_prefill_token_threshold, step.budget)  # nothing computed yet
-            if not state.kv.grow(request.request_id, n):
+            cached, blocks = state.prefix_hit(request)  # (0, []) without prefix caching
+            n = min(request.num_tokens - cached, cfg.long_prefill_token_threshold, step.budget)
+            if not state.kv.grow(request.request_id, cached + n, blocks):
                 break
-            state.admit(request)
-            step.add_prefill(request, n)
+            state.admit(request, cached)
+            step.add_prefill(request, n, blocks)

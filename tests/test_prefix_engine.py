@@ -1,0 +1,104 @@
+"""Prefix caching in the real engine (tiny model): a hit skips the computation, changes no logit,
+and the simulator, replaying the real run, makes the same hits and plans."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.core.config import ModelConfig, SchedulerConfig
+from engine.core.engine_core import EngineCore
+from engine.core.request import Request
+from engine.llm_engine import Engine
+from engine.model.runner import ModelRunner
+from engine.observe.workload import LengthDist, WorkloadConfig, generate, make_requests
+from sim import ReplayExecutor, simulate
+
+CACHING = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, long_prefill_token_threshold=16,
+                          num_kv_blocks=48, block_size=8, max_model_len=128, enable_prefix_caching=True)
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return ModelRunner(ModelConfig(name="tiny"), replace(CACHING, num_kv_blocks=256))
+
+
+class LogitsOf:
+    """The runner as an executor, keeping each sampled row's logits by request."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner, self.logits, self.plans = runner, {}, []
+
+    def execute(self, plan, requests, start_s):
+        result, logits = self.runner.execute(plan, requests, start_s, return_logits=True)
+        self.plans.append(plan.materialize())
+        sampled = [rid for rid, s in zip(plan.request_ids, plan.samples) if s]
+        for rid, row in zip(sampled, logits):
+            self.logits.setdefault(rid, []).append(row.clone())
+        return result
+
+    def free(self, request_ids):
+        self.runner.free(request_ids)
+
+
+def serve(runner: ModelRunner, config: SchedulerConfig, *batches: list[Request]) -> LogitsOf:
+    """Each batch served to the end before the next arrives, through EngineCore and the runner."""
+    core, executor = EngineCore(config), LogitsOf(runner)
+    for batch in batches:
+        for r in batch:
+            core.add(r)
+        while core.has_unfinished:
+            assert core.step(0.0, executor) is not None
+    runner.free(core.state.take_released())
+    return executor
+
+
+def test_a_prefix_hit_skips_the_prefix_and_leaves_logits_unchanged(runner):
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(0, 512, (37,), generator=g).tolist()
+    first = Request("first", shared + [1, 2, 3], 3)
+    follow = [Request("b", shared + [4, 5, 6, 7, 8], 4), Request("c", shared[:20] + [9] * 30, 4)]
+    hit = serve(runner, CACHING, [first], follow)
+    cold = serve(runner, replace(CACHING, enable_prefix_caching=False),
+                 [Request(r.request_id, list(r.prompt_token_ids), r.max_tokens) for r in follow])
+    loads = {rid: len(ids) for p in hit.plans for rid, ids in p.kv_loads}
+    assert loads == {"b": 4, "c": 2}  # 32 of b's and 16 of c's prompt tokens came from the cache
+    first_chunk = {}
+    for p in hit.plans:
+        for rid, n, ctx in zip(p.request_ids, p.num_tokens, p.context_lens):
+            first_chunk.setdefault(rid, (n, ctx))
+    assert first_chunk["b"][1] == 32 and first_chunk["c"][1] == 16  # their first chunk starts past the hit
+    computed = lambda ex: sum(p.total_tokens - p.num_decodes for p in ex.plans)  # noqa: E731
+    assert computed(hit) == 40 + (42 - 32) + (50 - 16) and computed(cold) == 42 + 50
+    for rid in ("b", "c"):
+        assert len(hit.logits[rid]) == len(cold.logits[rid]) == 4
+        for a, b in zip(hit.logits[rid], cold.logits[rid]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+MULTI_TURN = WorkloadConfig(arrival="poisson", rate=40.0, num_requests=14, content="multi_turn", turns=3,
+                            turn_gap_s=0.05, prefix_tokens=16, seed=0,
+                            prompt=LengthDist(kind="uniform", low=3, high=14, max=100),
+                            output=LengthDist(kind="uniform", low=1, high=6))
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 1000), num_kv_blocks=st.sampled_from([14, 48]), name=st.sampled_from(["continuous", "static"]))
+def test_the_simulator_makes_the_real_runs_hits_and_plans(runner, seed, num_kv_blocks, name):
+    # few blocks: preemption, recompute and eviction too
+    config = replace(CACHING, name=name, num_kv_blocks=num_kv_blocks)
+    workload = replace(MULTI_TURN, seed=seed)
+    engine = Engine(config, runner.model_config, runner=runner)
+    real = engine.run(make_requests(generate(workload), vocab_size=512))
+    engine.reset()  # frees the KV slots of the last step's requests
+    sim = simulate(make_requests(generate(workload)), config, lambda: ReplayExecutor(real.steps), keep_steps=True)
+    assert [s.plan for s in sim.steps] == [s.plan for s in real.steps]
+    assert sum(len(s.plan.kv_loads) for s in real.steps) > 0
+    by_id = {r.request_id: r for r in real.records}
+    for rec in sim.records:
+        ref = by_id[rec.request_id]
+        assert (rec.cached_tokens, rec.lookup_tokens) == (ref.cached_tokens, ref.lookup_tokens)
+    for key in ("prefix_cache_hits", "prefix_cache_queries", "prefix_hit_requests"):
+        assert sim.metrics()[key] == real.metrics()[key]
