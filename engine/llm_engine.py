@@ -60,7 +60,7 @@ class Engine:
             raise RuntimeError("cannot reset an engine with requests in flight")
         if scheduler_config is not None:
             self.scheduler_config = scheduler_config
-        self.runner.free(self.core.state.take_released())  # no next plan will carry them
+        self.core.release(self.runner)
         self.core = EngineCore(self.scheduler_config, make_scheduler(self.scheduler_config))
         self._prepare_runner()
 
@@ -120,6 +120,7 @@ class Engine:
                 time.sleep(max(0.0, next_arrival - clock()))
         finally:
             self.runner.clock = time.perf_counter
+        core.release(self.runner)  # the last step's finished requests
         return RunResult([RequestRecord.from_request(r) for r in finished], steps, clock())
 
     def warmup(self, prompt_len: int = 16, max_tokens: int = 2) -> None:

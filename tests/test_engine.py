@@ -25,6 +25,7 @@ def test_seed_burst_tokens_and_calls(engine, name, calls):
     m = result.metrics()
     assert m["completed"] == 16 and m["total_output_tokens"] == 160
     assert m["output_throughput_tok_s"] == pytest.approx(160 / result.duration_s)
+    assert engine.runner.num_slots_used == 0  # the last step's requests are freed when the run ends
     for r in result.records:
         assert list(r.token_times_s) == sorted(r.token_times_s)
         assert r.arrival_s <= r.first_scheduled_s <= r.token_times_s[0]

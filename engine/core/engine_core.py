@@ -102,11 +102,17 @@ class EngineCore:
                     else self.scheduler.schedule(state))  # ... unless blocks ran short: the policy decides
         else:
             plan = self.scheduler.schedule(state)
-        if state.released:  # since the last launch, and preempted by this plan
-            executor.free(state.take_released())
+        self.release(executor)  # since the last launch, and preempted by this plan
         if plan is None:
             return None
         return plan, executor.execute(plan, state.requests, now_s)
+
+    def release(self, executor: Executor) -> None:
+        """Hand the executor the KV of requests that finished, were aborted or preempted since it
+        was last told. Every launch does; a driver that stops launching (the end of a run) does
+        once more, so nothing stays held."""
+        if self.state.released:
+            executor.free(self.state.take_released())
 
     def land(self, plan: BatchPlan, result: StepResult, start_s: float) -> list[Request]:
         """The call's tokens, at its end: advance the requests; returns those that finished."""
