@@ -144,7 +144,11 @@ class ServingState:
                     break
                 lane.got_block()
             end, ready = step_end, step_ready
-            finished = self._advance_lane(None, end)
+            finished = lane.advance(end)
+            if finished:
+                for request in finished:
+                    self.running.remove(request)
+                    self._finish(request, request.stop_reason(), end)
             steps += 1
             if gaps is not None and lane.last_continuing:
                 gaps.append((lane.last_gap_s, lane.last_continuing))
