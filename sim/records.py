@@ -44,6 +44,13 @@ class ItlSketch:
         if len(self._gaps) >= self.FLUSH_AT:
             self._flush()
 
+    def add_many(self, gaps: list[float], count: int) -> None:
+        """``count`` gaps of each value in ``gaps`` (a run of decode steps, each step's members)."""
+        self._gaps += gaps
+        self._weights += [count] * len(gaps)
+        if len(self._gaps) >= self.FLUSH_AT:
+            self._flush()
+
     def add_gaps(self, gaps: list[float]) -> None:
         """Single gaps (a finished request's, those no uniform step counted)."""
         self._gaps += gaps

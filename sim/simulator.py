@@ -132,9 +132,10 @@ class Replica:
         kv, waiting, running, finished_list = state.kv, state.waiting, state.running, state.finished
         # compact records count the gaps of requests decoding together here, once per step
         itl = None if log.keep_token_times else log.itl
-        gaps: list[tuple[float, int]] | None = None if itl is None else []
+        on_gaps = None if itl is None else itl.add_many
         # repeated decodes-only steps run at once (EngineCore.repeat_decodes) unless each step is kept
         repeat = steps is None and series is None and self.repeat
+        check = sim.check
         now = env.now
         while True:
             start = executor.start(now)
@@ -169,6 +170,8 @@ class Replica:
             if not unobserved:
                 yield timeout(end - env.now)
             finished = land(plan, result, now)
+            if check:
+                state.check_invariants()
             if itl is not None:
                 gap, count = state.last_uniform_gaps
                 if count:
@@ -183,15 +186,13 @@ class Replica:
                     on_finish(len(finished), end)
             if unobserved and repeat and core.steady:  # the same step again and again: run them at once
                 costs = executor.decode_costs(state.num_decoding)
-                run = (0,) if costs is None else core.repeat_decodes(ready, costs, peek(), gaps)
+                run = (0,) if costs is None else core.repeat_decodes(ready, costs, peek(), on_gaps)
                 if run[0]:
                     n, end, ready, finished = run
+                    if check:
+                        state.check_invariants()
                     self.num_steps += n
                     self.last_end_s = end
-                    for gap, count in gaps or ():
-                        itl.add(gap, count)
-                    if gaps:
-                        gaps.clear()
                     finished_list.clear()
                     for request in finished:
                         log.add(request)
@@ -205,7 +206,7 @@ class Simulation:
 
     def __init__(self, config: SchedulerConfig, make_executor: Callable[[], SimExecutor], num_replicas: int = 1,
                  router: str = "round_robin", keep_steps: bool = False, timeseries: bool = False,
-                 keep_token_times: bool = True, repeat_decodes: bool = True) -> None:
+                 keep_token_times: bool = True, repeat_decodes: bool = True, check: bool = False) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         self.env = simpy.Environment()
@@ -215,6 +216,7 @@ class Simulation:
         self.log = RequestLog(keep_token_times)
         self.on_finish: Callable[[int, float], None] | None = None
         self.repeat_decodes = repeat_decodes  # off: every step through launch and land (tests compare)
+        self.check = check  # tests: the state's invariants after every step and every run of steps
         self.replicas = [Replica(i, self.env, config, make_executor(), self) for i in range(num_replicas)]
 
     def _dispatch(self, request: Request) -> None:

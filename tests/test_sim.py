@@ -11,7 +11,7 @@ from engine.core.config import SchedulerConfig
 from engine.core.request import Request
 from engine.observe.trace import summarize_trace, write_chrome_trace
 from engine.observe.workload import LengthDist, WorkloadConfig, generate, make_requests
-from sim import ConstantExecutor, CostModelExecutor, simulate, workload_requests
+from sim import ConstantExecutor, CostModelExecutor, Simulation, simulate, workload_requests
 from sim.executors import cost_model_from
 from sim.capacity import search_capacity
 from tests.helpers import create_requests, drain
@@ -259,8 +259,11 @@ def test_running_repeated_decode_steps_at_once_changes_no_token_time(name, seqs,
                         prompt=LengthDist(kind="uniform", value=2, max=20), output=LengthDist(kind="uniform", value=1, max=40))
     runs = []
     for repeat in (True, False):
-        result = simulate(make_requests(generate(wl)), config, lambda: CostModelExecutor(COST),
-                          keep_token_times=keep, repeat_decodes=repeat)
+        sim = Simulation(config, lambda: CostModelExecutor(COST), keep_token_times=keep, repeat_decodes=repeat,
+                         check=True)
+        result = sim.run(make_requests(generate(wl)))
         times = ({r.request_id: r.token_times_s for r in result.records} if keep else None)
         runs.append((result.num_steps, times, result.metrics()))
+        kv = sim.replicas[0].state.kv  # every block granted along a run of steps is given back
+        assert kv.num_free == config.num_kv_blocks and not kv.held
     assert runs[0] == runs[1]

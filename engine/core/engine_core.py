@@ -11,7 +11,7 @@ would have taken.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -129,7 +129,8 @@ class EngineCore:
         return self._steady
 
     def repeat_decodes(self, start_s: float, costs: tuple[float, float, float], until_s: float,
-                       gaps: list[tuple[float, int]] | None = None) -> tuple[int, float, float, list[Request]]:
+                       on_gaps: Callable[[list[float], int], None] | None = None
+                       ) -> tuple[int, float, float, list[Request]]:
         """While ``steady``: the repeated steps from ``start_s`` run at once, without a plan each
         — a simulator's shortcut when a decodes-only step costs ``costs = (seconds, seconds per
         context token, overhead)``. Stops before a step that starts at or after the next arrival,
@@ -139,7 +140,7 @@ class EngineCore:
         if not self._steady:
             return 0, start_s, start_s, []
         arrival_s = self.arrivals.next_s if not self.state.waiting else INF  # (see launch)
-        steps, end, ready, finished = self.state.repeat_decodes(start_s, *costs, arrival_s, until_s, gaps)
+        steps, end, ready, finished = self.state.repeat_decodes(start_s, *costs, arrival_s, until_s, on_gaps)
         if finished:
             self._steady = not self.state.waiting
         return steps, end, ready, finished

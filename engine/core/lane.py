@@ -115,15 +115,16 @@ class DecodeLane:
             del calendar[at]
 
     # --- one step -------------------------------------------------------------------------------
-    def needing_block(self) -> list[Request]:
-        """Members whose next token needs one more KV block (their blocks are full)."""
-        return self._block_at.get(self.clock, [])
+    def needing_block(self, steps_ahead: int = 0) -> list[Request]:
+        """Members whose token at the step ``steps_ahead`` from now needs one more KV block."""
+        return self._block_at.get(self.clock + steps_ahead, [])
 
-    def got_block(self) -> None:
-        """Every member in needing_block() got its block: the next need is a block later."""
-        filed = self._block_at.pop(self.clock, None)
+    def got_block(self, steps_ahead: int = 0) -> None:
+        """Every member in needing_block(steps_ahead) got its block: the next need is a block later."""
+        at = self.clock + steps_ahead
+        filed = self._block_at.pop(at, None)
         if filed:
-            due = self.clock + self.block_size
+            due = at + self.block_size
             self._block_at.setdefault(due, []).extend(filed)
             for request in filed:
                 self._block_due[request] = due
@@ -165,6 +166,30 @@ class DecodeLane:
             self._compact()
         done = self._finish_at.get(self.clock)
         return sorted(done, key=BY_ADMISSION) if done else []
+
+    def steps_to_finish(self) -> int:
+        """Steps until the first member reaches max_tokens (the step in which it does counts)."""
+        return min(self._finish_at) - self.clock if self._finish_at else 0
+
+    def advance_many(self, ends: list[float]) -> tuple[list[Request], tuple[float, int]]:
+        """``advance`` for each end time in turn, at once; no member may finish before the last
+        (``steps_to_finish``). Returns those that finished and the first step's (gap, continuing
+        members); ``last_gap_s``/``last_continuing`` are the last step's."""
+        n = len(self.members)
+        continuing = n - self._num_joined_now
+        first_gap = (ends[0] - self._times[-1] if continuing else 0.0, continuing)
+        if len(ends) > 1:
+            self.last_continuing, self.last_gap_s = n, ends[-1] - ends[-2]
+        else:
+            self.last_gap_s, self.last_continuing = first_gap
+        self._num_joined_now = 0
+        self._version += 1
+        self.clock += len(ends)
+        self._times += ends
+        if len(self._times) >= self._compact_at:
+            self._compact()
+        done = self._finish_at.get(self.clock)
+        return (sorted(done, key=BY_ADMISSION) if done else []), first_gap
 
     def _compact(self) -> None:
         oldest = min((r.lane_joined for r in self.members), default=self.clock)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from engine.core.block_pool import KVBlockPool
 from engine.core.config import SchedulerConfig
@@ -122,40 +122,49 @@ class ServingState:
         return len(lane.members), lane.context_sum(), lane.part_reader()
 
     def repeat_decodes(self, start_s: float, step_s: float, per_context_s: float, overhead_s: float,
-                       arrival_s: float, until_s: float, gaps: list[tuple[float, int]] | None
+                       arrival_s: float, until_s: float, on_gaps: Callable[[list[float], int], None] | None
                        ) -> tuple[int, float, float, list[Request]]:
         """Run, at once, the decodes-together steps that would follow one another unchanged (a
         simulator's shortcut, see EngineCore.repeat_decodes): each takes ``step_s + per_context_s
         × Σ context`` and then ``overhead_s``. A step runs if it starts before ``arrival_s``, is
-        over before ``until_s`` and gets its blocks; the run ends after a step in which requests
-        finish. Returns (steps, last end, last ready, finished); each step's uniform gaps go to
-        ``gaps``. The same arithmetic as planning and applying each step."""
+        over before ``until_s`` and gets its blocks; the run ends with the first step in which
+        requests finish. Returns (steps, last end, last ready, finished); ``on_gaps(gaps, count)``
+        hears each step's uniform gaps (``count`` requests each). The same arithmetic, in the same
+        order, as planning, executing and applying each step."""
         lane, kv = self.lane, self.kv
-        steps, end, ready, start = 0, start_s, start_s, start_s
-        finished: list[Request] = []
-        while start < arrival_s and lane.members:
-            step_end = start + (step_s + per_context_s * lane.context_sum())
+        n = len(lane.members)
+        if not n:
+            return 0, start_s, start_s, []
+        context = lane.context_sum()
+        ends: list[float] = []
+        end = ready = start = start_s
+        for j in range(lane.steps_to_finish()):
+            if start >= arrival_s:
+                break
+            step_end = start + (step_s + per_context_s * (context + j * n))
             step_ready = step_end + overhead_s
             if step_ready >= until_s:
                 break
-            needing = lane.needing_block()
+            needing = lane.needing_block(j)
             if needing:
                 if not kv.add_block_each([r.request_id for r in needing]):
                     break
-                lane.got_block()
-            end, ready = step_end, step_ready
-            finished = lane.advance(end)
-            if finished:
-                for request in finished:
-                    self.running.remove(request)
-                    self._finish(request, request.stop_reason(), end)
-            steps += 1
-            if gaps is not None and lane.last_continuing:
-                gaps.append((lane.last_gap_s, lane.last_continuing))
-            if finished:
-                break
-            start = ready
-        return steps, end, ready, finished
+                lane.got_block(j)
+            ends.append(step_end)
+            end = step_end
+            start = ready = step_ready
+        if not ends:
+            return 0, start_s, start_s, []
+        finished, (gap, count) = lane.advance_many(ends)
+        for request in finished:
+            self.running.remove(request)
+            self._finish(request, request.stop_reason(), end)
+        if on_gaps is not None:
+            if count:
+                on_gaps([gap], count)
+            if len(ends) > 1:
+                on_gaps([b - a for a, b in zip(ends, ends[1:])], n)
+        return len(ends), end, ready, finished
 
     def decode_one_by_one(self) -> None:
         """This step treats each decoding request on its own (a budget or block shortage)."""
