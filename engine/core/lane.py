@@ -115,16 +115,15 @@ class DecodeLane:
             del calendar[at]
 
     # --- one step -------------------------------------------------------------------------------
-    def needing_block(self, steps_ahead: int = 0) -> list[Request]:
-        """Members whose token at the step ``steps_ahead`` from now needs one more KV block."""
-        return self._block_at.get(self.clock + steps_ahead, [])
+    def needing_block(self) -> list[Request]:
+        """Members whose next token needs one more KV block (their blocks are full)."""
+        return self._block_at.get(self.clock, [])
 
-    def got_block(self, steps_ahead: int = 0) -> None:
-        """Every member in needing_block(steps_ahead) got its block: the next need is a block later."""
-        at = self.clock + steps_ahead
-        filed = self._block_at.pop(at, None)
+    def got_block(self) -> None:
+        """Every member in needing_block() got its block: the next need is a block later."""
+        filed = self._block_at.pop(self.clock, None)
         if filed:
-            due = at + self.block_size
+            due = self.clock + self.block_size
             self._block_at.setdefault(due, []).extend(filed)
             for request in filed:
                 self._block_due[request] = due
@@ -166,6 +165,40 @@ class DecodeLane:
             self._compact()
         done = self._finish_at.get(self.clock)
         return sorted(done, key=BY_ADMISSION) if done else []
+
+    def run_ends(self, start_s: float, step_s: float, per_context_s: float, overhead_s: float,
+                 arrival_s: float, until_s: float, grant: Callable[[list[Request]], bool]) -> list[float]:
+        """End times of the steps that decode every member from ``start_s`` on, each taking
+        ``step_s + per_context_s × Σ context`` then ``overhead_s``: those that start before
+        ``arrival_s``, are over before ``until_s``, whose block needs ``grant`` meets, up to the
+        first in which a member finishes. Blocks granted are filed as got_block would; nothing
+        else changes until ``advance_many(ends)``."""
+        n = len(self.members)
+        context = self._offset_sum + n * self.clock
+        block_at, block_due, block_size = self._block_at, self._block_due, self.block_size
+        ends: list[float] = []
+        start = start_s
+        at = self.clock
+        for j in range(self.steps_to_finish()):
+            if start >= arrival_s:
+                break
+            end = start + (step_s + per_context_s * (context + j * n))
+            ready = end + overhead_s
+            if ready >= until_s:
+                break
+            needing = block_at.get(at)
+            if needing:
+                if not grant(needing):
+                    break
+                del block_at[at]
+                due = at + block_size
+                block_at.setdefault(due, []).extend(needing)
+                for request in needing:
+                    block_due[request] = due
+            ends.append(end)
+            start = ready
+            at += 1
+        return ends
 
     def steps_to_finish(self) -> int:
         """Steps until the first member reaches max_tokens (the step in which it does counts)."""

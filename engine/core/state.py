@@ -135,26 +135,12 @@ class ServingState:
         n = len(lane.members)
         if not n:
             return 0, start_s, start_s, []
-        context = lane.context_sum()
-        ends: list[float] = []
-        end = ready = start = start_s
-        for j in range(lane.steps_to_finish()):
-            if start >= arrival_s:
-                break
-            step_end = start + (step_s + per_context_s * (context + j * n))
-            step_ready = step_end + overhead_s
-            if step_ready >= until_s:
-                break
-            needing = lane.needing_block(j)
-            if needing:
-                if not kv.add_block_each([r.request_id for r in needing]):
-                    break
-                lane.got_block(j)
-            ends.append(step_end)
-            end = step_end
-            start = ready = step_ready
+        ends = lane.run_ends(start_s, step_s, per_context_s, overhead_s, arrival_s, until_s,
+                             lambda needing: kv.add_block_each([r.request_id for r in needing]))
         if not ends:
             return 0, start_s, start_s, []
+        end = ends[-1]
+        ready = end + overhead_s
         finished, (gap, count) = lane.advance_many(ends)
         for request in finished:
             self.running.remove(request)
