@@ -6,16 +6,17 @@ model predicts another of the same family, and a machine with other limits, from
 
   layer              L                                   per-layer dispatch (Python, op launches)
   request_layer      R · L                               per request and layer (its attention call, packing)
-  dense@K            max(W_dense/BW, 2·P_dense·T/F) · h_K(T)   the decoder's products over T rows
-  lm_head@K          max(W_lm/BW, 2·P_lm·S/F) · h_K(S)          the lm_head over S sampled rows
+  rows@K             max(W_dense/BW, 2·P_dense·T/F) · h_K(T)   the decoder's products over T rows
+                   + max(W_lm/BW, 2·P_lm·S/F) · h_K(S)          and the lm_head's over S sampled rows
   decode_attention   Σ_decodes (c+1) · max(kv/BW, f/F)         each decode reads its KV once
   prefill_attention  Σ_chunks max((c+n)·kv/BW, n·(c+(n+1)/2)·f/F)
 
-``h_K`` are hat functions over the rows T (knots K) that sum to one everywhere (constant beyond the
-last knot): the coefficients are an *efficiency curve over rows*, so the small-T behaviour this CPU
-shows (T=1 runs matrix-vector kernels, T=2, 3, 7 are slower than T=4, 8) is one curve, not a per-model
-table. Within one dtype the crossover row count F·bytes/(2·BW) is the same for every model, which is
-why the curve transfers. ``kv`` is K and V bytes per token over all layers, ``f`` the attention FLOPs per
+``h_K`` are hat functions over a product's rows (knots K) that sum to one everywhere (constant beyond
+the last knot): the coefficients are one *efficiency curve over rows*, shared by every product (the
+same kernels read every weight matrix), so the small-T behaviour this CPU shows (T=1 runs
+matrix-vector kernels, T=2, 3, 7 are slower than T=4, 8) is one curve, not a per-model table. Within
+one dtype the crossover row count F·bytes/(2·BW) is the same for every model, which is why the curve
+transfers. ``kv`` is K and V bytes per token over all layers, ``f`` the attention FLOPs per
 (query, key) pair over all layers and heads. Torch-free: the simulator imports it.
 """
 
@@ -28,15 +29,14 @@ from pathlib import Path
 
 from engine.core.plan import BatchPlan
 
-from calibration.cost_model import SAMPLE_KNOTS, TOKEN_KNOTS, CostModel, ProfileMismatchError
+from calibration.cost_model import TOKEN_KNOTS, CostModel, ProfileMismatchError
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-PHYSICAL_FEATURES: tuple[str, ...] = (("layer", "request_layer") + tuple(f"dense@{k}" for k in TOKEN_KNOTS)
-                                      + tuple(f"lm_head@{k}" for k in SAMPLE_KNOTS)
+ROW_KNOTS: tuple[int, ...] = TOKEN_KNOTS  # sampled rows (SAMPLE_KNOTS) fall on these knots too
+PHYSICAL_FEATURES: tuple[str, ...] = (("layer", "request_layer") + tuple(f"rows@{k}" for k in ROW_KNOTS)
                                       + ("decode_attention", "prefill_attention"))
-_DENSE_AT = 2
-_LM_AT = _DENSE_AT + len(TOKEN_KNOTS)
-_DECODE = _LM_AT + len(SAMPLE_KNOTS)
+_ROWS_AT = 2
+_DECODE = _ROWS_AT + len(ROW_KNOTS)
 _PREFILL = _DECODE + 1
 
 
@@ -127,12 +127,12 @@ def physical_row(decodes: int, decode_context: int, chunks: tuple[tuple[int, int
     row[0] = s.layers
     row[1] = (decodes + len(chunks)) * s.layers
     dense = dense_roofline_s(tokens, s, m)
-    for i, w in hats(tokens, TOKEN_KNOTS):
-        row[_DENSE_AT + i] = dense * w
+    for i, w in hats(tokens, ROW_KNOTS):
+        row[_ROWS_AT + i] += dense * w
     if samples:
         lm = lm_head_roofline_s(samples, s, m)
-        for i, w in hats(samples, SAMPLE_KNOTS):
-            row[_LM_AT + i] = lm * w
+        for i, w in hats(samples, ROW_KNOTS):
+            row[_ROWS_AT + i] += lm * w
     row[_DECODE] = (decode_context + decodes) * decode_roofline_per_token_s(s, m)
     row[_PREFILL] = sum(_roof((c + n) * s.kv_bytes_per_token, n * (c + (n + 1) / 2) * s.attn_flops_per_pair, m)
                         for n, c in chunks)

@@ -45,15 +45,16 @@ def test_features_of_a_mixed_plan_match_hand_computed_bytes_and_flops():
     tokens = 11
     dense = max(74304 * 4, 2 * 74304 * tokens) * 1e-9  # compute-bound at 11 rows (2·11 > 4 bytes)
     w = (tokens - 10) / (12 - 10)  # between knots 10 and 12
-    assert row[IDX["dense@10"]] == pytest.approx(dense * (1 - w))
-    assert row[IDX["dense@12"]] == pytest.approx(dense * w)
-    assert row[IDX["lm_head@3"]] == pytest.approx(max(32768 * 4, 2 * 32768 * 3) * 1e-9)
+    assert row[IDX["rows@10"]] == pytest.approx(dense * (1 - w))
+    assert row[IDX["rows@12"]] == pytest.approx(dense * w)
+    lm = max(32768 * 4, 2 * 32768 * 3) * 1e-9  # the lm_head over 3 sampled rows, on the same curve
+    assert row[IDX["rows@3"]] == pytest.approx(lm)
     assert row[IDX["layer"]] == 2 and row[IDX["request_layer"]] == 4 * 2
     assert row[IDX["decode_attention"]] == pytest.approx((11 + 21) * 512 * 1e-9)  # bytes = FLOPs per pair here
     prefill = max(8 * 512, 5 * (3 + 3) * 512) + max(4 * 512, 4 * 2.5 * 512)
     assert row[IDX["prefill_attention"]] == pytest.approx(prefill * 1e-9)
-    assert sum(row[IDX[f"dense@{k}"]] for k in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64, 128, 256)) \
-        == pytest.approx(dense)
+    assert sum(row[IDX[f"rows@{k}"]] for k in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64, 128, 256)) \
+        == pytest.approx(dense + lm)
 
 
 def test_hats_are_a_partition_of_unity_constant_outside():
@@ -88,7 +89,7 @@ def test_what_if_bandwidth_scales_memory_bound_calls_only():
     prefill = BatchPlan.of("t", ["a"], (256,), (0,), (True,), 0)  # 256 rows: compute-bound
     overhead = cost.coefficients[IDX["layer"]] * 24 + cost.coefficients[IDX["request_layer"]] * 24
     assert fast.predict(decode) - overhead == pytest.approx((cost.predict(decode) - overhead) / 2, rel=1e-3)
-    lm_and_attention = cost.predict(prefill) - cost.coefficients[IDX["dense@256"]] * dense_s(cost, 256)
+    lm_and_attention = cost.predict(prefill) - cost.coefficients[IDX["rows@256"]] * dense_s(cost, 256)
     assert fast.predict(prefill) == pytest.approx(cost.predict(prefill), rel=0.05)  # only the one-row lm_head moves
     assert lm_and_attention < 0.05 * cost.predict(prefill)
     slow_flops = cost.with_machine(matmul_gflops=200.0)
