@@ -179,3 +179,24 @@ def test_a_config_only_local_model_builds_seeded_random_weights(tmp_path):
     for a, b in zip(model.parameters(), bundled.parameters()):
         assert torch.equal(a, b)  # the same seed, the same shape: the same weights as the bundled tiny
     assert config_fingerprint(local) == config_fingerprint(TINY)
+
+
+def test_validate_prices_a_row_at_its_real_runs_bandwidth():
+    """use_run_bandwidth: the simulated row is timed at the bandwidth stamped around the real run,
+    not the calibration's (here an absurd 0.001 GB/s that would make every call take seconds)."""
+    pytest.importorskip("torch")
+    from engine.core.config import SchedulerConfig
+    from engine.llm_engine import Engine
+    from engine.observe.workload import WorkloadConfig
+    from experiments.validate import Row, validate_row
+
+    tiny = ModelConfig(name="tiny", num_threads=1, device="cpu")
+    shape = PhysicalShape.of(model_shape(tiny), "float32")
+    cost = replace(physical_model(shape, Machine(memory_gb_s=0.001, matmul_gflops=1.0)), step_overhead_s=0.0)
+    scheduler = SchedulerConfig(max_num_seqs=4)
+    engine = Engine(scheduler, tiny)
+    row = Row("seed_burst", scheduler, WorkloadConfig(num_requests=4))
+    real, at_calibration = validate_row(engine, cost, row)
+    _, at_run = validate_row(engine, cost, row, use_run_bandwidth=True)
+    assert at_calibration["output_throughput_tok_s"] < 0.1 * at_run["output_throughput_tok_s"]
+    assert real["memory_read_gb_s"] > 1
