@@ -11,7 +11,8 @@ row runs for real first; the simulator then replays that run's actual arrival ti
 Writes DIR/validation.csv (workload, scheduler, max_num_seqs, metric, real, sim, rel_error,
 tolerance, ok, and the memory bandwidth the real run and the calibration ran at: memory_gb_s,
 calibration_memory_gb_s) and prints the error table. Without a profile, a quick calibration runs
-first.
+first. ``use_run_bandwidth=true`` times each row's simulation with the profile's physical model
+priced at the bandwidth stamped around that row's real run.
 """
 
 from __future__ import annotations
