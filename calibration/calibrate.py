@@ -11,11 +11,13 @@ import numpy as np
 
 from calibration.cost_model import FEATURES, CostModel, plan_features
 from calibration.fit import Errors, fit_nnls, split_heldout
+from calibration.physical import Machine as PhysicalMachine, PhysicalCostModel, PhysicalShape, physical_features
 from calibration.grid import GRID_SPECS, build_grid
 from calibration.kv_copy import measure_kv_copy
 from calibration.profiler import Measurement, ShapePool, make_runner, measure_engine_runs, measure_shapes, threads_of
 from calibration.roofline import MemoryStamp, ModelShape, measure_machine, roofline_s
 from engine.core.config import ModelConfig
+from engine.core.model_shape import model_shape
 from engine.model.device import describe, device_has_bf16 as bf16_native, resolve
 from engine.model.loader import config_fingerprint
 
@@ -55,6 +57,67 @@ def fit_cost_model(measurements: list[Measurement], heldout: np.ndarray) -> tupl
     y = np.asarray([m.median_s for m in measurements])
     coef = fit_nnls(X[~heldout], y[~heldout])
     return coef, X @ coef
+
+
+def fit_physical(measurements: list, heldout: np.ndarray, shape: PhysicalShape,
+                 machine: PhysicalMachine) -> tuple[np.ndarray, np.ndarray]:
+    """The physical model's inefficiencies fitted on the rows not held out (NNLS on relative error,
+    as the empirical model), and every row's prediction."""
+    X = np.asarray([physical_features(m.plan, shape, machine) for m in measurements])
+    y = np.asarray([m.median_s for m in measurements])
+    coef = fit_nnls(X[~heldout], y[~heldout])
+    return coef, X @ coef
+
+
+def physical_block(measurements: list, heldout: np.ndarray, shape: PhysicalShape, machine: PhysicalMachine,
+                   step_overhead_s: float) -> tuple[PhysicalCostModel, np.ndarray, dict]:
+    """Fit the physical model; its model, predictions and error table (the same table as the
+    empirical model's)."""
+    coef, predicted = fit_physical(measurements, heldout, shape, machine)
+    cost = PhysicalCostModel(tuple(float(c) for c in coef), shape, machine, step_overhead_s)
+    y = np.asarray([m.median_s for m in measurements])
+    kinds = np.asarray([m.shape.kind for m in measurements])
+    fit = {"train": Errors.of(predicted[~heldout], y[~heldout]).to_dict(),
+           "heldout": Errors.of(predicted[heldout], y[heldout]).to_dict(), "by_kind_heldout": {}}
+    for kind in np.unique(kinds):
+        sel = heldout & (kinds == kind)
+        if sel.any():
+            fit["by_kind_heldout"][str(kind)] = Errors.of(predicted[sel], y[sel]).to_dict()
+    return cost, predicted, fit
+
+
+def preferred_model(empirical_fit: dict, physical_fit: dict) -> str:
+    """The model the profile's own model simulates with: the one with the lower held-out MAPE
+    (a transfer or a what-if always uses the physical one)."""
+    return "physical" if physical_fit["heldout"]["mape"] < empirical_fit["heldout"]["mape"] else "empirical"
+
+
+def add_physical(profile: dict, shape: PhysicalShape, machine: PhysicalMachine | None = None) -> dict:
+    """Fit the physical model on a saved profile's measurements (their plan records and held-out
+    split) and return the profile with its ``physical`` block and ``preferred`` model: a profile
+    from before the physical model gains one without re-measuring."""
+    from calibration.grid import Shape
+    from calibration.profiler import Measurement
+
+    if machine is None:
+        stamp = profile["memory_read_gb_s"]
+        machine = PhysicalMachine((stamp["before"] + stamp["after"]) / 2,
+                                  profile["roofline"]["machine"]["matmul_flops_s"] / 1e9)
+    rows = profile["measurements"]
+    ms = [Measurement(Shape(r["kind"]), plan_from_record(r["plan"]), tuple(r["times_s"])) for r in rows]
+    heldout = np.asarray([r["heldout"] for r in rows])
+    cost, _, fit = physical_block(ms, heldout, shape, machine, profile.get("step_overhead_s", 0.0))
+    return {**profile, "physical": {**cost.to_dict(), "fit": fit},
+            "preferred": preferred_model(profile["fit"], fit)}
+
+
+def plan_from_record(record: dict):
+    """The BatchPlan a profile's ``plan`` record describes (plan_record's inverse)."""
+    from engine.core.plan import BatchPlan
+
+    n = len(record["num_tokens"])
+    return BatchPlan.of("calibration", [f"r{i}" for i in range(n)], record["num_tokens"], record["context_lens"],
+                        record["samples"], record["num_decodes"])
 
 
 def error_table(measurements: list[Measurement], predicted: np.ndarray, baseline: np.ndarray,
@@ -100,6 +163,10 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     fit = error_table(measurements, predicted, baseline, heldout)
     y = np.asarray([m.median_s for m in measurements])
     fit["measured_over_roofline_median"] = float(np.median(y / baseline))
+    pshape = PhysicalShape.of(model_shape(model_config), model_config.dtype)
+    pmachine = PhysicalMachine(memory.gb_s, machine.matmul_flops_s / 1e9)
+    physical, physical_predicted, physical_fit = physical_block(measurements, heldout, pshape, pmachine,
+                                                                overhead.median_s)
     wall = time.perf_counter() - t0
 
     info = {
@@ -112,6 +179,8 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
                         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                         "host": platform.node(), "engine_code": engine_code_version()},
         "fit": fit,
+        "physical": {**physical.to_dict(), "fit": physical_fit},
+        "preferred": preferred_model(fit, physical_fit),  # what this model's own simulations use
         "step_overhead": overhead.to_dict(),
         "kv_copy": copy.to_dict(),
         "roofline": {"machine": machine.to_dict(), "heldout": fit["roofline_heldout"]},
@@ -123,8 +192,9 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
                           "requests": m.plan.num_requests, "samples": m.plan.num_samples,
                           "plan": plan_record(m.plan),
                           "median_s": m.median_s, "spread": m.spread, "times_s": list(m.times_s),
-                          "predicted_s": float(p), "roofline_s": float(b), "heldout": bool(h)}
-                         for m, p, b, h in zip(measurements, predicted, baseline, heldout)],
+                          "predicted_s": float(p), "physical_s": float(q), "roofline_s": float(b),
+                          "heldout": bool(h)}
+                         for m, p, q, b, h in zip(measurements, predicted, physical_predicted, baseline, heldout)],
     }
     model = CostModel(tuple(float(c) for c in coef), overhead.median_s, FEATURES,
                       config_fingerprint(model_config), info, copy.s_per_token)

@@ -20,6 +20,13 @@ def error_table_text(result) -> str:
              _row("train", fit["train"]), _row("held out", fit["heldout"])]
     lines += [_row(f"  held out {k}", e) for k, e in fit["by_kind_heldout"].items()]
     lines.append(_row("roofline (held out)", fit["roofline_heldout"]))
+    physical = info.get("physical")
+    if physical:
+        pfit = physical["fit"]
+        lines += [_row("physical train", pfit["train"]), _row("physical held out", pfit["heldout"])]
+        lines += [_row(f"  held out {k}", e) for k, e in pfit["by_kind_heldout"].items()]
+        lines.append(f"preferred for this model: {info.get('preferred')} (lower held-out MAPE); "
+                     "other models and what-if hardware use the physical one")
     machine = info["roofline"]["machine"]
     ovh = info["step_overhead"]
     lines.append(f"\nmachine: {machine['bandwidth_bytes_s'] / 1e9:.1f} GB/s, "

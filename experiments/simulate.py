@@ -19,6 +19,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
+from calibration.physical import WhatIf
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.observe.results import Goodput, write_results_json
 from engine.observe.workload import WorkloadConfig
@@ -27,10 +28,21 @@ from sim.run import SimOptions, find_capacity, load_cost_model, run_workload, wr
 
 
 @dataclass
+class WhatIfHardware:
+    """Other hardware limits for the physical cost model (unset: the calibration machine's)."""
+
+    memory_gb_s: float | None = None
+    matmul_gflops: float | None = None
+
+
+@dataclass
 class SimCalibration:
-    """``profile``: a calibration profile.json (required; its model fingerprint must match ``model``)."""
+    """``profile``: a calibration profile.json (required). For its own model it times calls with the
+    profile's preferred cost model; for another Qwen2/Qwen3 shape it transfers the physical model
+    (and says so); ``what_if`` prices the physical model at other hardware limits."""
 
     profile: str | None = None
+    what_if: WhatIfHardware = field(default_factory=WhatIfHardware)
 
 
 @dataclass
@@ -64,11 +76,13 @@ register("simulate_schema", SimulateApp)
 
 
 def run_app(app: SimulateApp, out_dir: Path) -> dict:
-    cost = load_cost_model(app.calibration.profile, app.model)
+    what_if = app.calibration.what_if
+    cost = load_cost_model(app.calibration.profile, app.model,
+                           what_if=WhatIf(what_if.memory_gb_s, what_if.matmul_gflops))
     options = SimOptions(app.replicas, app.router, app.keep_token_times, app.trace, app.timeseries)
     result = run_workload(cost, app.scheduler, app.workload, options)
     goodput = Goodput.parse(app.goodput)
-    metrics = write_outputs(result, out_dir, app.scheduler.max_num_seqs, goodput)
+    metrics = write_outputs(result, out_dir, app.scheduler.max_num_seqs, goodput, cost)
     write_results_json(out_dir / "results.json", metrics, backend="miniserve-sim", label=app.scheduler.name,
                        model_id=app.model.path or app.model.name, workload=app.workload, goodput=goodput)
     if app.capacity.enabled:
@@ -89,6 +103,8 @@ def main(cfg) -> None:
     except ValueError as err:  # a missing or mismatched profile, an impossible request: say so, no traceback
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    if "cost_model" in metrics:
+        print(f"cost model: {metrics['cost_model']['note']}")
     print(f"completed {metrics['completed']} requests, {metrics['output_throughput_tok_s']:.1f} out tok/s, "
           f"TTFT p99 {metrics['ttft_s']['p99']:.4f} s, TPOT p99 {metrics['tpot_s']['p99']:.4f} s")
     if "capacity_req_s" in metrics:

@@ -11,7 +11,8 @@ row runs for real first; the simulator then replays that run's actual arrival ti
 Writes DIR/validation.csv (workload, scheduler, max_num_seqs, metric, real, sim, rel_error,
 tolerance, ok, and the memory bandwidth the real run and the calibration ran at: memory_gb_s,
 calibration_memory_gb_s) and prints the error table. Without a profile, a quick calibration runs
-first.
+first. ``use_run_bandwidth=true`` times each row's simulation with the profile's physical model
+priced at the bandwidth stamped around that row's real run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 
 from calibration.cost_model import CostModel
+from calibration.physical import AnyCostModel, at_run_bandwidth
 from calibration.roofline import MemoryStamp
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.core.request import Request
@@ -74,6 +76,9 @@ class ValidateApp:
     matrix: Matrix = field(default_factory=Matrix)
     tolerance: Tolerance = field(default_factory=Tolerance)
     saturation_requests: int = 64  # burst size used to find each configuration's saturation rate
+    # price the simulation of each row at the read bandwidth stamped around its real run (the
+    # profile's physical cost model), so a slow spell of the host's memory is not counted as error
+    use_run_bandwidth: bool = False
 
 
 register("validate_schema", ValidateApp)
@@ -127,10 +132,11 @@ def rel_error(real: float, sim: float) -> float:
     return (sim - real) / real
 
 
-def validate_row(engine, cost: CostModel, row: Row) -> tuple[dict, dict]:
+def validate_row(engine, cost: AnyCostModel, row: Row, use_run_bandwidth: bool = False) -> tuple[dict, dict]:
     """Real run, then the simulator on that run's actual arrivals and lengths. The real side
     carries the memory bandwidth it ran at (``MemoryStamp``): decode runs at memory speed,
-    which moves with the host's load on a shared VM."""
+    which moves with the host's load on a shared VM; ``use_run_bandwidth`` prices the simulation
+    at that bandwidth (calibration.physical.at_run_bandwidth)."""
     engine.reset(row.scheduler)
     engine.warmup()
     with MemoryStamp() as memory:
@@ -140,6 +146,8 @@ def validate_row(engine, cost: CostModel, row: Row) -> tuple[dict, dict]:
     real_m["memory_read_gb_s"] = memory.gb_s
     replay = [Request(r.request_id, range(r.prompt_tokens), r.output_tokens, arrival_s=r.arrival_s)
               for r in real.records]
+    if use_run_bandwidth:
+        cost = at_run_bandwidth(cost, memory.gb_s)
     sim = simulate(replay, row.scheduler, lambda: CostModelExecutor(cost), keep_steps=True)
     sim_m = with_trace(sim.metrics(), sim.trace_calls(), row.scheduler.max_num_seqs)
     return real_m, sim_m
@@ -157,7 +165,7 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
 
         profile = str(calibrate(CalibrateApp(app.model, CalibrationConfig(grid=app.calibration.grid)),
                                 out_dir / "calibration"))
-    cost = load_cost_model(profile, app.model)
+    cost = load_cost_model(profile, app.model, physical=app.use_run_bandwidth)
     widest = replace(app.scheduler, max_num_seqs=max(app.matrix.max_num_seqs))
     runner = ModelRunner(app.model, widest)
     engine = Engine(widest, app.model, runner=runner)
@@ -165,7 +173,7 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
     calibration_memory = math.nan if cost.memory_read_gb_s is None else cost.memory_read_gb_s  # older profiles
     records = []
     for row in matrix_rows(app, cost):
-        real_m, sim_m = validate_row(engine, cost, row)
+        real_m, sim_m = validate_row(engine, cost, row, app.use_run_bandwidth)
         for metric, read, kind in METRICS:
             real, sim = float(read(real_m)), float(read(sim_m))
             err = rel_error(real, sim)

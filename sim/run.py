@@ -9,8 +9,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from calibration.cost_model import CostModel, other_device_warning
+from calibration.physical import AnyCostModel, PhysicalCostModel, WhatIf, load_profile_for
 from engine.core.config import ModelConfig, SchedulerConfig
-from engine.core.model_shape import config_fingerprint
+from engine.core.model_shape import config_fingerprint, model_shape
 from engine.observe.metrics import write_metrics_json
 from engine.observe.results import Goodput
 from engine.observe.trace import summarize_trace, write_chrome_trace
@@ -28,12 +29,17 @@ class MissingProfileError(ValueError):
     """The simulator has no step costs without a calibration profile, and never invents them."""
 
 
-def load_cost_model(profile: str | None, model: ModelConfig | None = None, run_on: dict | None = None) -> CostModel:
-    """The profile's cost model; with ``model`` given, refuse a profile measured for another model,
-    and warn (log and ``cost.info["device_warning"]``) when it was measured on another device than
-    the run it is compared with: ``run_on`` (engine.model.device.here, from apps that run the model
-    too), else an explicit ``model.device``. ``model.dtype=auto`` takes the dtype the profile's own
-    run chose. Torch-free: the simulator never loads the model."""
+def load_cost_model(profile: str | None, model: ModelConfig | None = None, run_on: dict | None = None,
+                    what_if: WhatIf = WhatIf(), physical: bool = False) -> AnyCostModel:
+    """The profile's cost model for ``model``. The profile's own model gets its preferred cost model
+    (empirical or physical, whichever was more accurate on held-out calls); another model gets the
+    profile's physical model with that model's shape — a transfer, logged and recorded in
+    ``cost.info["cost_model_note"]`` — and a profile without one is refused. ``what_if`` prices the
+    physical model at other hardware limits; ``physical`` asks for the physical model in any case. Warns (log and ``cost.info["device_warning"]``) when the
+    profile was measured on another device than the run it is compared with: ``run_on``
+    (engine.model.device.here, from apps that run the model too), else an explicit ``model.device``.
+    ``model.dtype=auto`` takes the dtype the profile's own run chose. Torch-free: the simulator never
+    loads the model."""
     if not profile:
         raise MissingProfileError(
             "no calibration profile: the simulator needs measured step costs. Run "
@@ -42,10 +48,17 @@ def load_cost_model(profile: str | None, model: ModelConfig | None = None, run_o
     if not Path(profile).is_file():
         raise MissingProfileError(f"calibration.profile={profile} does not exist")
     if model is None:
+        if what_if.active or physical:
+            return PhysicalCostModel.from_profile(json.loads(Path(profile).read_text())).with_machine(
+                what_if.memory_gb_s, what_if.matmul_gflops)
         return CostModel.load(profile)
     if model.dtype == "auto":
         model = replace(model, dtype=json.loads(Path(profile).read_text()).get("model", {}).get("dtype", "float32"))
-    cost = CostModel.load(profile, expect_fingerprint=config_fingerprint(model))
+    cost, note = load_profile_for(profile, model_shape(model), model.dtype, config_fingerprint(model), what_if,
+                                  physical)
+    if note:
+        log.warning(note)
+        cost.info["cost_model_note"] = note
     if run_on is None and model.device != "auto":
         run_on = {"device": model.device}
     warning = other_device_warning(cost.info.get("measured_on", {}), run_on) if run_on else None
@@ -53,6 +66,22 @@ def load_cost_model(profile: str | None, model: ModelConfig | None = None, run_o
         log.warning(warning)
         cost.info["device_warning"] = warning
     return cost
+
+
+def describe_cost_model(cost: AnyCostModel) -> dict:
+    """What a run's metrics.json says about the cost model that timed it: its kind, and whether it
+    was transferred from another model or priced at what-if hardware."""
+    out: dict = {"kind": "physical" if isinstance(cost, PhysicalCostModel) else "empirical",
+                 "profile_model": cost.info.get("model", {}).get("name"),
+                 "transfer": cost.info.get("transfer") is not None}
+    if isinstance(cost, PhysicalCostModel):
+        out["machine"] = cost.machine.to_dict()
+    for key in ("transfer", "what_if"):
+        if cost.info.get(key):
+            out[key + "_from" if key == "transfer" else key] = cost.info[key]
+    if cost.info.get("cost_model_note"):
+        out["note"] = cost.info["cost_model_note"]
+    return out
 
 
 @dataclass(frozen=True)
@@ -64,7 +93,7 @@ class SimOptions:
     timeseries: bool = True
 
 
-def run_workload(cost: CostModel, scheduler: SchedulerConfig, workload: WorkloadConfig,
+def run_workload(cost: AnyCostModel, scheduler: SchedulerConfig, workload: WorkloadConfig,
                  options: SimOptions = SimOptions()) -> SimResult:
     requests, concurrency = workload_requests(workload, lazy=not options.keep_token_times)
     return simulate(requests, scheduler, lambda: CostModelExecutor(cost), concurrency=concurrency,
@@ -72,7 +101,7 @@ def run_workload(cost: CostModel, scheduler: SchedulerConfig, workload: Workload
                     timeseries=options.timeseries, keep_token_times=options.keep_token_times)
 
 
-def saturation_rate(cost: CostModel, scheduler: SchedulerConfig, workload: WorkloadConfig, n: int = 64) -> float:
+def saturation_rate(cost: AnyCostModel, scheduler: SchedulerConfig, workload: WorkloadConfig, n: int = 64) -> float:
     """Requests/s the configuration sustains when it never waits for work: a simulated burst of
     ``n`` requests with the workload's lengths. Sweeps and validation state load as a fraction of it."""
     burst = replace(workload, arrival="burst", num_requests=n)
@@ -87,14 +116,21 @@ def write_timeseries_csv(series: TimeSeries, path: Path) -> None:
         w.writerows(series.rows())
 
 
-def write_outputs(result: SimResult, out_dir: Path, max_num_seqs: int, goodput: Goodput = Goodput()) -> dict:
-    """metrics.json and requests.csv (real runs' keys), trace JSON per replica, timeseries.csv,
-    and sim.json (what only a simulation knows: steps, replicas, each trace's summary)."""
+def write_outputs(result: SimResult, out_dir: Path, max_num_seqs: int, goodput: Goodput = Goodput(),
+                  cost: AnyCostModel | None = None) -> dict:
+    """metrics.json and requests.csv (real runs' keys), trace JSON per replica, timeseries.csv, and
+    sim.json (what only a simulation knows: steps, replicas, each trace's summary, the cost model).
+    A run timed by a transferred or what-if cost model is no like-for-like prediction, so its
+    metrics.json says so too (``cost_model``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics = result.log.summarize(result.duration_s, **goodput.seconds())
+    about = describe_cost_model(cost) if cost is not None else None
+    if about and (about["transfer"] or "what_if" in about):
+        metrics["cost_model"] = about
     write_metrics_json(metrics, out_dir / "metrics.json")
     result.log.write_csv(out_dir / "requests.csv")
-    info: dict = {"num_steps": result.num_steps, "num_replicas": result.num_replicas, "traces": {}}
+    info: dict = {"num_steps": result.num_steps, "num_replicas": result.num_replicas, "cost_model": about,
+                  "traces": {}}
     if result.steps:
         for i in range(result.num_replicas):
             name = "trace.json" if result.num_replicas == 1 else f"trace_replica{i}.json"
@@ -107,7 +143,7 @@ def write_outputs(result: SimResult, out_dir: Path, max_num_seqs: int, goodput: 
     return metrics
 
 
-def find_capacity(cost: CostModel, scheduler: SchedulerConfig, workload: WorkloadConfig, low: float,
+def find_capacity(cost: AnyCostModel, scheduler: SchedulerConfig, workload: WorkloadConfig, low: float,
                   high: float, slo_ttft_p99_s: float | None, slo_tpot_p99_s: float | None,
                   rel_tol: float = 0.02, options: SimOptions = SimOptions()) -> CapacityResult:
     quick = replace(options, keep_token_times=False, trace=False, timeseries=False)

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from calibration.calibrate import fit_cost_model
+from calibration.calibrate import add_physical, fit_cost_model
+from calibration.physical import PhysicalShape
 from calibration.cost_model import FEATURES, SAMPLE_KNOTS, TOKEN_KNOTS, CostModel, ProfileMismatchError, \
     plan_features, tents
 from calibration.fit import Errors, fit_nnls, split_heldout
@@ -191,5 +192,14 @@ def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tmp_path):
     assert len(kinds) == data["grid"]["calls"] + data["grid"]["engine_calls"]
     assert "engine" in data["fit"]["by_kind_heldout"]  # calls inside a serving loop are scored too
     assert (tmp_path / "calibration.png").stat().st_size > 10_000
+    # both models fitted on the same calls and both reported; the profile says which its own model uses
+    assert "physical held out" in out.stdout and data["preferred"] in ("empirical", "physical")
+    physical = data["physical"]
+    assert physical["fit"]["heldout"]["n"] == data["fit"]["heldout"]["n"] > 0
+    assert physical["machine"]["memory_gb_s"] > 0 and physical["shape"]["layers"] == 2
+    assert all(m["physical_s"] > 0 for m in data["measurements"])
+    refit = add_physical({k: v for k, v in data.items() if k not in ("physical", "preferred")},
+                         PhysicalShape(**physical["shape"]))
+    assert refit["physical"]["coefficients"] == pytest.approx(physical["coefficients"], rel=1e-6, abs=1e-12)
     model = CostModel.load(tmp_path / "profile.json", expect_fingerprint=data["fingerprint"])
     assert model.predict(hand_plan()) > 0 and model.step_overhead_s == data["step_overhead"]["median_s"]

@@ -54,9 +54,21 @@ def pack_linear_weights(model: PreTrainedModel) -> int:
     return len(linears)
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def has_weights(path: str) -> bool:
+    """Whether a checkpoint directory holds weights, or only a config.json (a shape to run with
+    seeded random weights: cost depends on shapes, not values)."""
+    from pathlib import Path
+
+    return any(p.name.endswith(WEIGHT_SUFFIXES) for p in Path(path).iterdir())
+
+
 def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, object | None]:
     """The model (eval, requested dtype, on the requested device, packed ragged attention) and its
-    tokenizer: the checkpoint's if it has one, the built-in byte-level one for the bundled configs.
+    tokenizer: the checkpoint's if it has one, the built-in byte-level one for the bundled configs
+    and for a ``model.path`` that holds only a config.json (seeded random weights of that shape).
     ``auto`` device and dtype are resolved here (engine/model/device.py)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_config = resolve(model_config)
@@ -65,7 +77,7 @@ def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, object | Non
     dtype = TORCH_DTYPES[model_config.dtype]
     config = load_hf_config(model_config)
     tokenizer = None
-    if model_config.path is not None:
+    if model_config.path is not None and has_weights(model_config.path):
         model = AutoModelForCausalLM.from_pretrained(
             model_config.path, config=config, dtype=dtype, local_files_only=True,
             attn_implementation=ATTN_IMPLEMENTATION)
@@ -74,7 +86,7 @@ def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, object | Non
             tokenizer = AutoTokenizer.from_pretrained(model_config.path, local_files_only=True)
         except (OSError, ValueError):
             tokenizer = None
-    else:
+    else:  # a bundled config, or a directory with only a config.json: seeded random weights of its shape
         torch.manual_seed(model_config.seed)
         config._attn_implementation = ATTN_IMPLEMENTATION
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
