@@ -117,9 +117,14 @@ class EngineCore:
 
     def land(self, plan: BatchPlan, result: StepResult, start_s: float) -> list[Request]:
         """The call's tokens, at its end: advance the requests; returns those that finished."""
-        finished = self.state.apply(plan, result.token_ids, start_s, result.end_s)
-        # a finish frees a seat and blocks, which only matters to a request waiting for them
-        self._steady = self.repeat_decode_steps and not plan.ids and (not finished or not self.state.waiting)
+        state = self.state
+        finished = state.apply(plan, result.token_ids, start_s, result.end_s)
+        if self.repeat_decode_steps:  # see Scheduler.decode_steps_repeat
+            waiting = state.waiting
+            # a finish frees a seat and blocks, which only matters to a request waiting for them
+            self._steady = ((not plan.ids and (not finished or not waiting))
+                            or (not waiting and 0 < state.num_decoding == len(state.running)
+                                and state.num_decoding <= self.config.max_num_batched_tokens))
         return finished
 
     @property

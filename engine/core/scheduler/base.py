@@ -12,12 +12,13 @@ from engine.core.state import ServingState
 
 class Scheduler(ABC):
     name: str
-    # A plan that only decodes together (``lane_size`` and nothing else) is followed by the same
-    # step, the decodes one token further (less any that finished), until a request arrives to an
-    # empty queue (behind a head that could not be admitted, first come first served, it changes
-    # nothing), one is aborted, one finishes while others wait, or blocks run short. True for every policy here (it follows from their rules); the step loop
-    # then repeats such a step without asking ``schedule`` again. A policy for which it does not
-    # hold leaves it False.
+    # True when the policy's next step is "every decoding request together, nothing else" in two
+    # cases the step loop can see without asking it: (1) after such a step, until a request
+    # arrives to an empty queue (behind a head that could not be admitted, first come first
+    # served, it changes nothing), one is aborted or finishes while others wait; (2) after any
+    # step that leaves nothing waiting and every running request decoding, within the token
+    # budget. Either way, blocks short make it ask the policy. True for every policy here (it
+    # follows from their rules); a policy for which it does not hold leaves it False.
     decode_steps_repeat: bool = False
 
     def __init__(self, config: SchedulerConfig) -> None:
