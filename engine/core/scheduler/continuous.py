@@ -64,7 +64,7 @@ class ContinuousScheduler(Scheduler):
         cfg = self.config
         while state.waiting and step.budget > 0 and len(state.running) < cfg.max_num_seqs:
             request = state.waiting[0]
-            cached, blocks = state.prefix_hit(request)  # (0, []) without prefix caching
+            cached, blocks = state.prefix_hit(request) if state.kv.caching else (0, ())
             n = min(request.num_tokens - cached, cfg.long_prefill_token_threshold, step.budget)
             if not state.kv.grow(request.request_id, cached + n, blocks):
                 break
