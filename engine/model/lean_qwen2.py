@@ -16,7 +16,8 @@ machine for its row count: miniserve's gemv over a panel-packed copy of the weig
 linear over its pre-packed copy, or stock ``F.linear`` over the plain weight. Only the copies the
 chosen candidates read are made, each packed straight from the model's weight, and the model's
 own projection weights are then released (zero-stride views of the same shape, dtype and count),
-so the engine holds about one copy of the weights rather than three (issue 16, memory).
+so where one candidate serves every row count the engine holds about one copy of the weights,
+not three (issue 16, memory).
 
 Only the engine's own model gets it (``ModelRunner``); a reference twin built by ``load_model``
 stays stock. The engine's model keeps its parameters' shapes and state-dict keys, but its stock
