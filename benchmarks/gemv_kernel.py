@@ -2,9 +2,8 @@
 
 1. The model's weight matrices in order (24 layers' qkv, o, gate/up, down, then lm_head), each
    multiplied by 1-96 rows: ms per pass and GB/s of weights read, oneDNN then the kernel,
-   alternating pass by pass so both see the same memory load (past MAX_ROWS the engine does not
-   use the kernel; 96 rows shows oneDNN alone).
-2. Whole model calls through ModelRunner with the kernel switched off and on, alternating call by
+   alternating pass by pass so both see the same memory load.
+2. Whole model calls through ModelRunner with every product on oneDNN and on the kernel, alternating call by
    call: decode B=1, 2, 4, 8, 16, 32 at context 256 and 64- and 128-token prefills.
 3. The same calls at B=1, 8 with the panels in the engine's huge-page buffer and in a copy on
    ordinary 4 KiB pages, alternating (kernels.in_huge_pages). Prints medians and the
@@ -21,13 +20,19 @@ import torch
 from calls import alternate, kernel_bench_args, time_alternating
 
 from engine.model import kernels
+from engine.model.kernels import dispatch
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.model.runner import ModelRunner
 
 
+def both_copies(dtype: torch.dtype) -> list[str]:
+    """Choices that make the engine keep panels and oneDNN's copy (the benchmark switches between them)."""
+    return ["gemv"] * (len(dispatch.ROW_CLASSES) - 1) + ["onednn"]
+
+
 def weight_sequence(runner: ModelRunner) -> list[list]:
     """[panels, oneDNN-packed, bias] of every projection the engine runs, in forward order."""
-    return runner._lean.projections
+    return [[p.panels, p.packed, p.bias] for p in runner._lean.projections]
 
 
 def kernel_rates(runner: ModelRunner, gemv, dtype, rows_list, passes: int) -> None:
@@ -39,28 +44,24 @@ def kernel_rates(runner: ModelRunner, gemv, dtype, rows_list, passes: int) -> No
 
         def onednn():
             for panels, packed, _ in seq:
-                torch.ops.mkldnn._linear_pointwise(xs[panels.k], packed, None, "none", [], "")
+                dispatch.onednn_linear(xs[panels.k], packed, None)
 
         def mine():
             for panels, _, _ in seq:
                 gemv(xs[panels.k], panels, None)
 
-        times = time_alternating([onednn, mine] if rows <= kernels.MAX_ROWS else [onednn], passes, warm=1)
-        ta = statistics.median(times[0])
-        row = f"  {rows} row(s): oneDNN {1e3 * ta:6.1f} ms {nbytes / ta / 1e9:5.1f} GB/s"
-        if len(times) > 1:
-            tb = statistics.median(times[1])
-            row += f" | gemv {1e3 * tb:6.1f} ms {nbytes / tb / 1e9:5.1f} GB/s | speedup {ta / tb:.2f}"
-        else:
-            row += " | gemv: not used past MAX_ROWS"
-        print(row, flush=True)
+        times = time_alternating([onednn, mine], passes, warm=1)
+        ta, tb = statistics.median(times[0]), statistics.median(times[1])
+        print(f"  {rows} row(s): oneDNN {1e3 * ta:6.1f} ms {nbytes / ta / 1e9:5.1f} GB/s | gemv {1e3 * tb:6.1f} ms "
+              f"{nbytes / tb / 1e9:5.1f} GB/s | speedup {ta / tb:.2f}", flush=True)
 
 
 def model_calls(runner: ModelRunner, gemv, repeats: int) -> dict[str, float]:
     lean = runner._lean
 
     def switch(on: bool) -> None:
-        lean.gemv = gemv if on else None
+        lean._by_rows = [("gemv" if on else "onednn")] * len(lean._by_rows)
+        lean.choices = [("gemv" if on else "onednn")] * len(lean.choices)
 
     speedups = {}
     for name, contexts, chunks in [(f"decode B={b}", [256] * b, [1] * b) for b in (1, 2, 4, 8, 16, 32)] + [
@@ -73,12 +74,12 @@ def model_calls(runner: ModelRunner, gemv, repeats: int) -> dict[str, float]:
 
 def page_calls(runner: ModelRunner, repeats: int) -> None:
     projections = runner._lean.projections
-    huge = [w[0] for w in projections]
+    huge = [p.panels for p in projections]
     small = [kernels.Panels(p.data.clone(), p.n, p.k) for p in huge]  # torch's allocator: 4 KiB pages
 
     def switch(on: bool) -> None:
-        for w, h, s in zip(projections, huge, small):
-            w[0] = h if on else s
+        for p, h, s in zip(projections, huge, small):
+            p.panels = h if on else s
 
     for b in (1, 8):
         print(alternate(runner, [256] * b, [1] * b, switch, repeats).line(f"decode B={b}", "4 KiB pages", "huge pages"),
@@ -95,6 +96,7 @@ def main() -> None:
             print(f"{d}: no gemv kernel on this machine (needs AVX-512{' and AVX512-BF16' if d == 'bfloat16' else ''}"
                   " and a C++ compiler); the engine runs oneDNN")
             continue
+        dispatch.linear_choices = both_copies  # this benchmark's own A/B, not the measured table
         runner = ModelRunner(ModelConfig(name=args.model, dtype=d, num_threads=args.threads),
                              SchedulerConfig(max_num_seqs=32, max_model_len=512))
         print(f"{d}: the model's projections, one pass over all weights (threads={torch.get_num_threads()})")

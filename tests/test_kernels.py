@@ -1,5 +1,5 @@
-"""miniserve's kernels: gemv is the exact product up to rounding and the engine runs it for up to
-MAX_ROWS rows and oneDNN above; decode attention is exact attention up to rounding over each request's
+"""miniserve's kernels: gemv is the exact product up to rounding, at any row count and row block,
+and the engine runs it where the dispatch table says; decode attention is exact attention up to rounding over each request's
 own keys and the engine runs it once per layer for a step's decodes; bad input to either is refused
 with a clear error.
 
@@ -15,7 +15,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import torch.nn.functional as F
+
 from engine.model import kernels
+from engine.model.kernels import dispatch
 from engine.model.kernels.features import cpu_features, detected, has_bf16_arithmetic, parse_mask
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.model.runner import ModelRunner
@@ -99,14 +102,17 @@ def test_the_raw_ops_obey_the_features_the_engine_allows():
 
 @needs("gemv", torch.float32)
 @settings(max_examples=60, deadline=None)
-@given(dtype=st.sampled_from([d for d, ok in EXPECTED.items() if ok] or [torch.float32]), rows=st.integers(1, kernels.MAX_ROWS),
-       k=st.integers(1, 300), n=st.integers(1, 300), bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_gemv_equals_the_exact_product_up_to_rounding(dtype, rows, k, n, bias, seed):
+@given(dtype=st.sampled_from([d for d, ok in EXPECTED.items() if ok] or [torch.float32]), rows=st.integers(1, 150),
+       k=st.integers(1, 300), n=st.integers(1, 300), bias=st.booleans(), seed=st.integers(0, 2**16),
+       block=st.sampled_from([8, 16, 64]))
+def test_gemv_equals_the_exact_product_up_to_rounding(dtype, rows, k, n, bias, seed, block):
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    y = kernels.gemv(dtype)(x, kernels.pack_panels(w), b)
+    y = kernels.gemv(dtype)(x, kernels.pack_panels(w), b, block)
     assert y.shape == (rows, n) and y.dtype == dtype
+    # the row block changes which rows share a pass over the weights, never a row's sums
+    assert torch.equal(y, kernels.gemv(dtype)(x, kernels.pack_panels(w), b, 64))
     ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
     # fp32: summation order only; bf16: also the one rounding of the fp32 sum to bf16 (2^-8 relative)
     scale = x.double().abs() @ w.double().abs().T + (b.double().abs() if b is not None else 0)
@@ -132,8 +138,8 @@ def _case(x, w, bias=None, n=None, k=None):
 
 @needs("gemv", torch.float32)
 @pytest.mark.parametrize("make, message", [
-    (lambda: _case(torch.randn(65, 8), torch.randn(4, 8)), "1 to 64 rows, got 65"),
-    (lambda: _case(torch.randn(0, 8), torch.randn(4, 8)), "1 to 64 rows, got 0"),
+    (lambda: _case(torch.randn(0, 8), torch.randn(4, 8)), "at least one row, got 0"),
+    (lambda: _case(torch.randn(0, 8), torch.randn(4, 8)), "at least one row, got 0"),
     (lambda: _case(torch.randn(1, 8), torch.randn(4, 8).bfloat16()), "the panels are BFloat16"),
     (lambda: _case(torch.randn(8, 2).T, torch.randn(4, 8)), "contiguous"),
     (lambda: _case(torch.randn(1, 8), torch.randn(4, 9)), "x has 8 columns, the panels were packed for 9"),
@@ -178,14 +184,20 @@ def test_a_build_lock_left_by_a_killed_build_is_removed(monkeypatch, tmp_path):
 
 
 @needs("gemv", torch.float32)
-def test_the_engine_runs_the_kernel_up_to_max_rows_and_onednn_above():
-    assert kernels.MAX_ROWS == 64
-    runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=4, max_model_len=64))
+def test_the_engine_runs_each_row_count_on_the_candidate_the_table_chose(monkeypatch):
+    choices = ["gemv"] * 7 + ["onednn", "torch", "torch"]  # gemv to 64 rows, oneDNN to 128, F.linear above
+    monkeypatch.setattr(dispatch, "linear_choices", lambda dtype: choices)
+    runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=4, max_model_len=256))
     lean = runner._lean
-    real, calls = lean.gemv, []
-    lean.gemv = lambda x, *rest: calls.append(x.shape[0]) or real(x, *rest)
+    assert all(p.panels is not None and p.packed is not None and p.plain is not None for p in lean.projections)
+    calls = []
+    for name in ("gemv", "onednn_linear", "linear"):
+        owner = lean if name == "gemv" else dispatch if name == "onednn_linear" else F
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda x, *rest, real=real, name=name: calls.append((name, x.shape[0]))
+                            or real(x, *rest))
     per_token_rows = 4 * runner.model.config.num_hidden_layers  # qkv, o, gate/up, down
-    reqs = {f"r{i}": Request(f"r{i}", list(range(1, 40)), 4) for i in range(4)}
+    reqs = {f"r{i}": Request(f"r{i}", list(range(1, 200)), 4) for i in range(4)}
     ids = tuple(reqs)
 
     def run(n, ctx, samples, expected):
@@ -193,11 +205,21 @@ def test_the_engine_runs_the_kernel_up_to_max_rows_and_onednn_above():
         runner.execute(BatchPlan("continuous", ids[:len(n)], n, ctx, samples, sum(1 for t in n if t == 1)), reqs)
         assert calls == expected
 
-    run((18,) * 4, (0,) * 4, (False,) * 3 + (True,), [1])  # 72 rows on oneDNN; lm_head's 1 row here
-    run((1,), (18,), (True,), [1] * (per_token_rows + 1))  # a decode of one request: every projection
-    run((1, 1, 1), (19, 18, 18), (True, True, True), [3] * (per_token_rows + 1))  # of three: every projection
-    run((1, 8), (20, 0), (True, True), [9] * per_token_rows + [2])  # a decode and a chunk: 9 rows; 2 sampled
-    run((1, 1, 1, 30), (21, 19, 19, 0), (True,) * 4, [33] * per_token_rows + [4])
+    run((1,), (0,), (True,), [("gemv", 1)] * (per_token_rows + 1))
+    run((30, 30, 30), (0, 0, 0), (False, False, True), [("onednn_linear", 90)] * per_token_rows + [("gemv", 1)])
+    run((1, 45, 45, 45), (1, 0, 0, 0), (True,) * 4, [("linear", 136)] * per_token_rows + [("gemv", 4)])
+
+
+def test_the_engine_keeps_only_the_copies_its_choices_read(monkeypatch):
+    monkeypatch.setattr(dispatch, "linear_choices", lambda dtype: ["onednn"] * len(dispatch.ROW_CLASSES))
+    runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=2, max_model_len=64))
+    lean, model = runner._lean, runner.model
+    assert all(p.panels is None and p.plain is None and p.packed is not None for p in lean.projections)
+    q = model.model.layers[0].self_attn.q_proj.weight  # released: its shape, no memory
+    assert q.shape == (model.config.hidden_size, model.config.hidden_size) and q.stride() == (0, 0)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied: the embedding stays
+    with pytest.raises(RuntimeError, match="moved into the engine's lean forward"):
+        model(input_ids=torch.tensor([[1, 2]]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -427,5 +449,5 @@ def test_panels_move_into_one_huge_page_buffer_unchanged():
 @needs("gemv", torch.float32)
 def test_the_engines_panels_sit_in_one_huge_page_buffer():
     runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=2, max_model_len=64))
-    storages = {w[0].data.untyped_storage().data_ptr() for w in runner._lean.projections}
+    storages = {p.panels.data.untyped_storage().data_ptr() for p in runner._lean.projections}
     assert len(storages) == 1 and len(runner._lean.projections) == 4 * runner.model.config.num_hidden_layers + 1

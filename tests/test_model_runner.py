@@ -5,6 +5,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.model import kernels as engine_kernels
+from engine.model.kernels import dispatch
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
@@ -57,15 +58,23 @@ def mixed_requests(vocab: int) -> list[Request]:
             for i in range(6)]
 
 
-@pytest.mark.parametrize("kernels", ["miniserve", "torch"])
+DISPATCH = ["", "linear=gemv,attention=kernel", "linear=onednn,attention=sdpa", "linear=torch,attention=sdpa"]
+
+
+@pytest.mark.parametrize("force", DISPATCH)
 @pytest.mark.parametrize("attention", ["ragged", "masked"])
-def test_packed_mixed_steps_match_unbatched_reference_fp32(attention, kernels):
+def test_packed_mixed_steps_match_unbatched_reference_fp32(attention, force, monkeypatch):
+    """Exact on every dispatch choice: the measured table's, and each candidate forced."""
+    monkeypatch.setenv(dispatch.FORCE_ENV, force)
+    if "gemv" in force and "gemv" not in dispatch.linear_candidates(torch.float32):
+        pytest.skip("no gemv kernel on this machine (as masked)")
     model_config = ModelConfig(name="tiny", attention=attention)
     config = SchedulerConfig(name="continuous", max_num_seqs=4, max_num_batched_tokens=16,
                              long_prefill_token_threshold=6)
     runner = ModelRunner(model_config, config)
-    if kernels == "torch":  # the path machines without ours run: oneDNN, SDPA, torch's elementwise ops
-        runner._lean.gemv = runner.decode_attention = None
+    assert not force or set(runner._lean.choices) == {force.split(",")[0].removeprefix("linear=")}
+    if "sdpa" in force:  # the path machines without ours run: oneDNN or F.linear, SDPA, torch's elementwise ops
+        assert runner.decode_attention is None
         runner._lean.ops = engine_kernels.TORCH_LAYER_OPS
     _, worst, phases = run_and_compare(runner, sdpa_twin(model_config), config, mixed_requests(512), atol=1e-5)
     assert "mixed" in phases  # decodes and chunks with prior context shared one call

@@ -11,32 +11,66 @@ SiLU·up. Where this CPU runs miniserve's kernels they are fused C++ passes (lay
 elsewhere the stock modules' ops, op for op. Either way they round where stock rounds, so fp32
 logits match stock transformers (tests compare them at 1e-5) and bf16 rounds where stock rounds.
 
-Each projection runs one of two kernels, by how many rows it multiplies: up to
-``engine.model.kernels.MAX_ROWS`` (64: a decode step of up to 64 requests, a short chunk, the sampled
-rows of a prefill) miniserve's own gemv over a panel-packed copy of the weight, which reads it
-once at memory speed (benchmarks/gemv_kernel.py); more rows, oneDNN's linear over its pre-packed
-copy. Two
-packed copies beside the model's own weights: memory for speed, on a small model.
+Each projection runs the candidate ``engine.model.kernels.dispatch`` measured fastest on this
+machine for its row count: miniserve's gemv over a panel-packed copy of the weight, oneDNN's
+linear over its pre-packed copy, or stock ``F.linear`` over the plain weight. Only the copies the
+chosen candidates read are made, each packed straight from the model's weight, and the model's
+own projection weights are then released (zero-stride views of the same shape, dtype and count),
+so where one candidate serves every row count the engine holds about one copy of the weights,
+not three (issue 16, memory).
 
-Only the engine's own model gets it (``ModelRunner``); the model's parameters, state dict and
-stock ``forward`` are untouched, so a reference twin built by ``load_model`` stays stock.
-Used only on CPU with oneDNN, for qwen2 models without sliding-window layers; anything else runs
+Only the engine's own model gets it (``ModelRunner``); a reference twin built by ``load_model``
+stays stock. The engine's model keeps its parameters' shapes and state-dict keys, but its stock
+``forward`` refuses to run once its weights have moved.
+Used only on CPU, for qwen2 models without sliding-window layers; anything else runs
 the stock forward.
 """
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine.model import kernels
 from engine.model.attention import ragged_attention
+from engine.model.kernels import dispatch
 
-_linear = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
+
+@dataclass
+class Projection:
+    """One projection's weight in the copies its chosen kernels read (None where none reads it)."""
+
+    n: int
+    panels: kernels.Panels | None
+    packed: torch.Tensor | None  # oneDNN's
+    plain: torch.Tensor | None  # F.linear's
+    bias: torch.Tensor | None
+    row_block: int
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+def _release(param: torch.Tensor) -> None:
+    """Free a parameter nothing reads any more: a zero-stride view keeps its shape, dtype and
+    count (ModelShape, state-dict keys) without its memory."""
+    param.data = torch.empty((), dtype=param.dtype).expand(param.shape)
+
+
+def _trim_heap() -> None:
+    """Return freed heap pages to the OS: glibc keeps freed mid-sized blocks (a layer's weights)
+    mapped, and the panels go into their own mapping, so without this the process holds both."""
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass  # not glibc: its allocator returns memory its own way
+
+
+def _weights_moved(*args, **kwargs):
+    raise RuntimeError("this model's projection weights moved into the engine's lean forward "
+                       "(engine/model/lean_qwen2.py); build another with load_model for the stock forward")
 
 
 class LeanQwen2:
@@ -50,62 +84,79 @@ class LeanQwen2:
         self.embed = inner.embed_tokens.weight
         self.rotary = inner.rotary_emb
         self.norm_w, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
-        self.lm_head = model.lm_head
-        self.gemv = kernels.gemv(model.dtype)
+        self.choices = dispatch.linear_choices(model.dtype)
+        self._by_rows = [dispatch.choice_for_rows(self.choices, r) for r in range(dispatch.ROW_CLASSES[-1] + 1)]
+        self.gemv = kernels.gemv(model.dtype) if "gemv" in self.choices else None
         self.ops = kernels.layer_ops(model.dtype) or kernels.TORCH_LAYER_OPS
-        self.lm = self._weights(model.lm_head.weight, model.lm_head.packed_weight, model.lm_head.bias)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # (source linears, bias) per projection, in forward order; q/k/v and gate/up as one weight each
+        specs = []
+        for layer in inner.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+            if any(b is None for b in biases) and any(b is not None for b in biases):
+                raise ValueError("mixed q/k/v biases")
+            qkv_b = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
+            specs += [([a.q_proj, a.k_proj, a.v_proj], qkv_b), ([a.o_proj], a.o_proj.bias),
+                      ([mlp.gate_proj, mlp.up_proj], None), ([mlp.down_proj], mlp.down_proj.bias)]
+        specs.append(([model.lm_head], model.lm_head.bias))
+        self.projections = self._pack(specs, model.dtype)
+        self.lm = self.projections[-1]
         self.layers = []
         for i, layer in enumerate(inner.layers):
             a, mlp = layer.self_attn, layer.mlp
-            qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
-            gu_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
-            biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
-            qkv_b = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
-            if qkv_b is None and any(b is not None for b in biases):
-                raise ValueError("mixed q/k/v biases")
+            qkv, o, gu, down = self.projections[4 * i:4 * i + 4]
             self.layers.append((
                 i, a.scaling, a.q_proj.out_features, a.k_proj.out_features,
-                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                self._weights(qkv_w, _pack(qkv_w), qkv_b),
-                self._weights(a.o_proj.weight, a.o_proj.packed_weight, a.o_proj.bias),
+                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv, o,
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                self._weights(gu_w, _pack(gu_w), None), mlp.gate_proj.out_features,
-                self._weights(mlp.down_proj.weight, mlp.down_proj.packed_weight, mlp.down_proj.bias),
+                gu, mlp.gate_proj.out_features, down,
             ))
-            # the fused packed copies replace the per-projection ones; those modules fall back to
-            # their stock forward if anything else calls them
-            for m in (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj):
-                del m.packed_weight
-                del m.forward
-        if self.gemv is not None:  # the kernel streams the panels from memory: huge pages read faster
-            for w, panels in zip(self.projections, kernels.in_huge_pages([w[0] for w in self.projections])):
-                w[0] = panels
+        model.forward = _weights_moved
 
-    @property
-    def projections(self) -> list[list]:
-        """Every projection's [gemv panels or None, oneDNN-packed, bias], in forward order."""
-        return [w for layer in self.layers for w in layer if isinstance(w, list)] + [self.lm]
+    def _pack(self, specs: list, dtype: torch.dtype) -> list[Projection]:
+        """Each projection in the copies its kernels read, made one weight at a time (panels
+        straight into their huge-page buffer) and each source weight released once nothing reads
+        it, so the model's weights and their packed copies never all sit in memory together."""
+        need = set(self.choices)
+        shapes = [(sum(m.out_features for m in mods), mods[0].in_features) for mods, _ in specs]
+        arena = (kernels.huge_page_arena([kernels.panel_shape(n, k, dtype) for n, k in shapes], dtype)
+                 if "gemv" in need else [None] * len(specs))
+        esize = torch.empty((), dtype=dtype).element_size()
+        embed_ptr = self.embed.data_ptr()
+        out = []
+        for (mods, bias), (n, k), buf in zip(specs, shapes, arena):
+            w = torch.cat([m.weight.detach() for m in mods]) if len(mods) > 1 else mods[0].weight.detach()
+            out.append(Projection(
+                n, kernels.pack_panels(w, out=buf) if "gemv" in need else None,
+                dispatch.onednn_pack(w) if "onednn" in need else None,
+                w if "torch" in need else None,
+                None if bias is None else bias.detach(), dispatch.row_block(k, esize)))
+            del w
+            for m in mods:  # a tied lm_head is the embedding, which the forward reads
+                if m.weight.data_ptr() != embed_ptr and not ("torch" in need and len(mods) == 1):
+                    _release(m.weight)
+            _trim_heap()
+        return out
 
     @classmethod
     def supports(cls, model) -> bool:
         cfg = model.config
         layer_types = getattr(cfg, "layer_types", None) or ["full_attention"]
-        return (_linear is not None and model.device.type == "cpu" and cfg.model_type == "qwen2"
-                and cfg.hidden_act == "silu" and set(layer_types) == {"full_attention"}
-                and hasattr(model.lm_head, "packed_weight"))
+        return (model.device.type == "cpu" and cfg.model_type == "qwen2"
+                and cfg.hidden_act == "silu" and set(layer_types) == {"full_attention"})
 
-    def _weights(self, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> list:
-        """One projection as its kernels take it: [gemv panels or None, oneDNN-packed, bias]."""
-        panels = kernels.pack_panels(weight) if self.gemv is not None else None
-        return [panels, packed, None if bias is None else bias.detach()]
-
-    def _project(self, x: torch.Tensor, weights) -> torch.Tensor:
-        """x (rows, in) times one projection."""
-        panels, packed, bias = weights
-        if panels is not None and self.gemv is not None and 0 < x.shape[0] <= kernels.MAX_ROWS:
-            return self.gemv(x.contiguous(), panels, bias)
-        return _linear(x, packed, bias, "none", [], "")
+    def _project(self, x: torch.Tensor, p: Projection) -> torch.Tensor:
+        """x (rows, in) times one projection, by the candidate measured fastest at this row count."""
+        rows = x.shape[0]
+        if rows == 0:
+            return x.new_empty(0, p.n)
+        choice = self._by_rows[rows] if rows < len(self._by_rows) else self.choices[-1]
+        if choice == "gemv":
+            return self.gemv(x.contiguous(), p.panels, p.bias, p.row_block)
+        if choice == "onednn":
+            return dispatch.onednn_linear(x, p.packed, p.bias)
+        return F.linear(x, p.plain, p.bias)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, cache,
                  rows: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from engine.core import model_shape
 from engine.core.model_shape import config_path, read_config_json
 from engine.model.attention import ATTN_IMPLEMENTATION
 from engine.model.device import resolve
+from engine.model.kernels import dispatch
 from engine.model.tokenizer import byte_tokenizer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -41,15 +42,14 @@ def pack_linear_weights(model: PreTrainedModel) -> int:
     every call. Parameters stay as they are (state dict, shapes, tied embeddings); returns the
     number of layers packed."""
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed_weight, self.bias,
-                                               "none", [], "")
+        y = dispatch.onednn_linear(x.reshape(-1, x.shape[-1]), self.packed_weight, self.bias)
         return y.view(*x.shape[:-1], y.shape[-1])
 
-    if model.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if model.device.type != "cpu" or not dispatch.onednn_available():
         return 0  # oneDNN packing is a CPU path; elsewhere the stock linears run
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     for m in linears:
-        m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
+        m.packed_weight = dispatch.onednn_pack(m.weight)
         m.forward = types.MethodType(forward, m)
     return len(linears)
 

@@ -1,7 +1,7 @@
 """The engine's own CPU kernels, compiled once per machine at first use.
 
-- ``gemv(dtype)`` (gemv.cpp): a function (x, Panels, bias) -> y for decode-sized linears, reading
-  the weights at memory speed; ``pack_panels`` lays a weight out for it.
+- ``gemv(dtype)`` (gemv.cpp): a function (x, Panels, bias, row_block) -> y, made for decode-sized
+  linears (it reads the weights at memory speed); ``pack_panels`` lays a weight out for it.
 - ``decode_attention(dtype, head_dim)`` (decode_attention.cpp): every decoding request's one query
   against its own KV slot, in one call.
 - ``layer_ops(dtype)`` (layer_ops.cpp): a decoder layer's work between its products (residual add
@@ -10,7 +10,8 @@
 - ``argmax_rows(dtype)`` (argmax.cpp): each row's greedy token, rows in parallel, bf16 read as is.
 
 Each returns None where this CPU cannot run it, and the engine keeps oneDNN's linear, SDPA or
-torch's ops for those calls. ``MINISERVE_KERNELS=0`` in the environment turns them all off.
+torch's ops for those calls. Whether the engine runs a kernel that this CPU can run is measured
+per machine (``dispatch.py``). ``MINISERVE_KERNELS=0`` in the environment turns them all off.
 What each needs is ``NEEDS`` (``can_run`` asks it), against ``features.cpu_features()``: this CPU's
 features less any ``MINISERVE_CPU_FEATURES`` mask. The C++ ops' own ``*_supported`` checks are told
 the same masked set after the build (``miniserve::allow_cpu_features``), so a masked feature is
@@ -28,6 +29,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import math
 import mmap
 import os
 import time
@@ -40,7 +42,6 @@ import torch.nn.functional as F
 
 from engine.model.kernels.features import cpu_features
 
-MAX_ROWS = 64  # rows per call the kernel takes (kMaxRows in gemv.cpp)
 PANEL = 32  # output columns per panel (kPanel in gemv.cpp)
 SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "decode_attention.cpp", "layer_ops.cpp", "argmax.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
@@ -81,49 +82,73 @@ class Panels:
     k: int
 
 
-def pack_panels(w: torch.Tensor) -> Panels:
+def panel_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """The shape ``pack_panels`` gives a (n, k) weight of ``dtype``."""
+    panels = -(-n // PANEL)
+    return (panels, (k + 1) // 2, PANEL, 2) if dtype == torch.bfloat16 else (panels, k, PANEL)
+
+
+def pack_panels(w: torch.Tensor, out: torch.Tensor | None = None) -> Panels:
     """w (N, K) in the kernel's layout: panels of PANEL output columns, k-major inside a panel,
     so a panel's weights for one k (fp32) or one pair of k (bf16, for its pairwise dot product)
-    are one contiguous 128 bytes. Zero-padded past N (and past an odd K in bf16)."""
+    are one contiguous 128 bytes. Zero-padded past N (and past an odd K in bf16). Written into
+    ``out`` (of ``panel_shape``) when given: no second temporary copy of a large weight."""
     n, k = w.shape
-    panels = -(-n // PANEL)
+    shape = panel_shape(n, k, w.dtype)
+    data = torch.empty(shape, dtype=w.dtype) if out is None else out
+    if tuple(data.shape) != shape or data.dtype != w.dtype:
+        raise ValueError(f"panels for a {tuple(w.shape)} {w.dtype} weight are {shape}, got {tuple(data.shape)} {data.dtype}")
     w = w.detach()
+    full, rest = n // PANEL, n % PANEL
     if w.dtype == torch.bfloat16:
-        pad_k = k % 2
-        w = F.pad(w, (0, pad_k, 0, panels * PANEL - n))
-        data = w.view(panels, PANEL, (k + pad_k) // 2, 2).permute(0, 2, 1, 3).contiguous()
+        pairs = k // 2
+        body = w[:full * PANEL, :2 * pairs].reshape(full, PANEL, pairs, 2).permute(0, 2, 1, 3)
+        data[:full, :pairs].copy_(body)
+        if k % 2:  # an odd K's last pair holds its last column and a zero
+            data[:full, pairs, :, 0].copy_(w[:full * PANEL, k - 1].view(full, PANEL))
+            data[:full, pairs, :, 1].zero_()
+        if rest:
+            tail = F.pad(w[full * PANEL:], (0, k % 2, 0, PANEL - rest))
+            data[full:].copy_(tail.view(1, PANEL, (k + 1) // 2, 2).permute(0, 2, 1, 3))
     else:
-        w = F.pad(w, (0, 0, 0, panels * PANEL - n))
-        data = w.view(panels, PANEL, k).permute(0, 2, 1).contiguous()
+        data[:full].copy_(w[:full * PANEL].view(full, PANEL, k).permute(0, 2, 1))
+        if rest:
+            data[full:].copy_(F.pad(w[full * PANEL:], (0, 0, 0, PANEL - rest)).view(1, PANEL, k).permute(0, 2, 1))
     return Panels(data, n, k)
 
 
-def in_huge_pages(panels: list[Panels]) -> list[Panels]:
-    """The same panels, moved into one buffer of transparent huge pages.
+def huge_page_arena(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Uninitialised tensors of these shapes in one buffer of transparent huge pages, each on a
+    cache line.
 
-    Why: the kernel streams them from memory, and on this VM a 272 MB panel set read through
+    Why: the gemv streams its panels from memory, and on this VM a 272 MB panel set read through
     4 KiB pages at 52-54 GB/s and through 2 MiB pages at 60-65 GB/s, alternating in one process
     (fewer TLB misses, each a page walk through the host's tables too). One buffer for all, so
     matrices smaller than a huge page get them as well. Where the kernel has no THP (or it is
-    "never") this is an ordinary private anonymous mapping."""
-    if not panels:
+    "never") this is an ordinary private anonymous mapping; either way a page is committed only
+    when written, so packing into it weight by weight never holds two copies of the model."""
+    if not shapes:
         return []
-    dtype, esize = panels[0].data.dtype, panels[0].data.element_size()
-    align = 64 // esize  # each panel set starts on a cache line
+    esize = torch.empty((), dtype=dtype).element_size()
+    align = 64 // esize
+    sizes = [math.prod(s) for s in shapes]
     offsets, total = [], 0
-    for p in panels:
+    for size in sizes:
         offsets.append(total)
-        total += -(-p.data.numel() // align) * align
+        total += -(-size // align) * align
     buf = mmap.mmap(-1, total * esize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared: no THP
     if hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)
     arena = torch.frombuffer(buf, dtype=dtype)  # the tensor keeps the mapping alive
-    moved = []
-    for p, at in zip(panels, offsets):
-        data = arena[at:at + p.data.numel()].view(p.data.shape)
-        data.copy_(p.data)
-        moved.append(Panels(data, p.n, p.k))
-    return moved
+    return [arena[at:at + size].view(shape) for at, size, shape in zip(offsets, sizes, shapes)]
+
+
+def in_huge_pages(panels: list[Panels]) -> list[Panels]:
+    """The same panels, moved into one buffer of transparent huge pages (``huge_page_arena``)."""
+    if not panels:
+        return []
+    views = huge_page_arena([tuple(p.data.shape) for p in panels], panels[0].data.dtype)
+    return [Panels(v.copy_(p.data), p.n, p.k) for p, v in zip(panels, views)]
 
 
 def _clear_stale_lock() -> None:
@@ -193,8 +218,8 @@ def gemv(dtype: torch.dtype):
     _agree("gemv", torch.ops.miniserve.gemv_supported(dtype))
     op = torch.ops.miniserve.gemv.default
 
-    def run(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.Tensor:
-        return op(x, panels.data, bias, panels.n, panels.k)
+    def run(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None, row_block: int = 64) -> torch.Tensor:
+        return op(x, panels.data, bias, panels.n, panels.k, row_block)
 
     return run
 

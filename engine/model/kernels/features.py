@@ -97,3 +97,23 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+@functools.cache
+def cache_sizes() -> dict[str, int]:
+    """This CPU's data cache sizes in bytes by level ("L1", "L2", "L3": what one core's sysfs lists),
+    for the kernels' blocking; a level sysfs does not list is absent (the caller's default applies)."""
+    sizes: dict[str, int] = {}
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            level = (index / "level").read_text().strip()
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMGB")
+        if digits.isdigit():
+            sizes[f"L{level}"] = int(digits) * scale
+    return sizes

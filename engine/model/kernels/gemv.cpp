@@ -1,6 +1,7 @@
-// miniserve::gemv — y (M, N) = x (M, K) · wᵀ + bias for decode-sized M (1 to 64 rows: a decode
-// step of up to 64 requests, a short prefill chunk, the sampled rows of a prefill), with w
-// pre-arranged in panels.
+// miniserve::gemv — y (M, N) = x (M, K) · wᵀ + bias with w pre-arranged in panels. Made for
+// decode-sized M (a decode step, a short chunk, a prefill's sampled rows); any M runs, row_block
+// rows per pass over the weights (engine/model/kernels/dispatch.py sizes it from the CPU's cache
+// and measures the kernel against oneDNN and F.linear at each row count before the engine uses it).
 //
 // Why: a decode step reads every weight once and does little arithmetic with it, so at a few rows
 // its time is how fast the weights stream from memory. At 1-8 rows oneDNN's linear reads the 0.5B
@@ -29,6 +30,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -38,7 +40,6 @@ namespace {
 
 constexpr int64_t kPanel = 32;     // output columns per panel (engine/kernels/__init__.py PANEL)
 constexpr int64_t kBlockRows = 8;  // rows per register block: 2 accumulators per row, 16 of 32 registers
-constexpr int64_t kMaxRows = 64;   // rows per call (engine/kernels/__init__.py MAX_ROWS)
 
 #ifdef MINISERVE_X86
 
@@ -130,6 +131,15 @@ void for_rows(int64_t M, Fn&& fn) {
   }
 }
 
+// fn(r0, r1, rows in the last 8-row block) for each run of row_block rows
+template <typename Fn>
+void for_chunks(int64_t M, int64_t row_block, Fn&& fn) {
+  for (int64_t r0 = 0; r0 < M; r0 += row_block) {
+    const int64_t r1 = std::min(M, r0 + row_block), n = r1 - r0;
+    fn(r0, r1, n - (n - 1) / kBlockRows * kBlockRows);
+  }
+}
+
 #endif  // MINISERVE_X86
 
 bool gemv_supported(at::ScalarType dtype) {
@@ -141,7 +151,7 @@ bool gemv_supported(at::ScalarType dtype) {
 }
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias, int64_t N,
-               int64_t K) {
+               int64_t K, int64_t row_block) {
   TORCH_CHECK(gemv_supported(x.scalar_type()), "miniserve::gemv: no kernel for ", x.scalar_type(), " on this CPU");
   TORCH_CHECK(x.dim() == 2, "miniserve::gemv: x must be 2-D (rows, K)");
   TORCH_CHECK(x.is_contiguous() && wp.is_contiguous(), "miniserve::gemv: x and the panels must be contiguous");
@@ -154,7 +164,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
                                           : std::vector<int64_t>{panels, K, kPanel};
   TORCH_CHECK(N >= 1 && wp.sizes() == at::IntArrayRef(shape), "miniserve::gemv: panels of shape ", wp.sizes(),
               " do not hold ", N, " outputs of ", K, " inputs (pack them with engine.kernels.pack_panels)");
-  TORCH_CHECK(M >= 1 && M <= kMaxRows, "miniserve::gemv: 1 to ", kMaxRows, " rows, got ", M);
+  TORCH_CHECK(M >= 1, "miniserve::gemv: at least one row, got ", M);
+  TORCH_CHECK(row_block >= kBlockRows && row_block % kBlockRows == 0, "miniserve::gemv: row_block must be a ",
+              "multiple of ", kBlockRows, ", got ", row_block);
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
@@ -165,29 +177,33 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
 #ifdef MINISERVE_X86
   const int64_t grain = std::max<int64_t>(1, panels / std::max(1, at::get_num_threads()));
   // each thread takes a run of panels; past 8 rows, each panel is multiplied into the rows 8 at a
-  // time while it sits in cache, so the weights still stream from memory once
-  const int64_t last = M - (M - 1) / kBlockRows * kBlockRows;  // rows in the last block, 1..8
+  // time while it sits in cache, so the weights stream from memory once per row_block rows (the
+  // rows of x read again for every panel stay in cache)
   if (!bf16) {
     const float *xp = x.data_ptr<float>(), *wpp = wp.data_ptr<float>();
     const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
     float* yp = y.data_ptr<float>();
-    at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        int64_t r = 0;
-        for (; r + kBlockRows < M; r += kBlockRows) panels_f32<kBlockRows>(xp + r * K, wpp, bp, yp + r * N, p, p + 1, K, N);
-        for_rows(last, [&](auto rows) { panels_f32<decltype(rows)::value>(xp + r * K, wpp, bp, yp + r * N, p, p + 1, K, N); });
-      }
+    for_chunks(M, row_block, [&](int64_t r0, int64_t r1, int64_t last) {
+      at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p) {
+          int64_t r = r0;
+          for (; r + kBlockRows < r1; r += kBlockRows) panels_f32<kBlockRows>(xp + r * K, wpp, bp, yp + r * N, p, p + 1, K, N);
+          for_rows(last, [&](auto rows) { panels_f32<decltype(rows)::value>(xp + r * K, wpp, bp, yp + r * N, p, p + 1, K, N); });
+        }
+      });
     });
   } else {
     auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); };
     const uint16_t *xp = bits(x), *wpp = bits(wp), *bp = has_bias ? bits(*bias) : nullptr;
     uint16_t* yp = bits(y);
-    at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        int64_t r = 0;
-        for (; r + kBlockRows < M; r += kBlockRows) panels_bf16<kBlockRows>(xp + r * K, wpp, bp, yp + r * N, p, p + 1, K, N);
-        for_rows(last, [&](auto rows) { panels_bf16<decltype(rows)::value>(xp + r * K, wpp, bp, yp + r * N, p, p + 1, K, N); });
-      }
+    for_chunks(M, row_block, [&](int64_t r0, int64_t r1, int64_t last) {
+      at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p) {
+          int64_t r = r0;
+          for (; r + kBlockRows < r1; r += kBlockRows) panels_bf16<kBlockRows>(xp + r * K, wpp, bp, yp + r * N, p, p + 1, K, N);
+          for_rows(last, [&](auto rows) { panels_bf16<decltype(rows)::value>(xp + r * K, wpp, bp, yp + r * N, p, p + 1, K, N); });
+        }
+      });
     });
   }
 #endif
@@ -206,7 +222,7 @@ void allow_cpu_features(bool avx512, bool avx512_bf16) {
 }  // namespace
 
 TORCH_LIBRARY(miniserve, m) {
-  m.def("gemv(Tensor x, Tensor panels, Tensor? bias, int N, int K) -> Tensor");
+  m.def("gemv(Tensor x, Tensor panels, Tensor? bias, int N, int K, int row_block=64) -> Tensor");
   m.def("gemv_supported(ScalarType dtype) -> bool", &gemv_supported);
   m.def("allow_cpu_features(bool avx512, bool avx512_bf16) -> ()", &allow_cpu_features);
 }

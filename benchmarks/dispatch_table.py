@@ -1,0 +1,57 @@
+"""The dispatch table this machine chose (engine/model/kernels/dispatch.py): per dtype, each linear
+candidate's time per row class and the one chosen, and decode attention's kernel against SDPA.
+
+The first run on a machine measures it (a few seconds per dtype) and caches it beside the compiled
+kernels; later runs print the cached table (``--remeasure`` times it again).
+
+    flock /tmp/miniserve-bench.lock python benchmarks/dispatch_table.py [--dtypes float32,bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.model.kernels import dispatch
+from engine.model.kernels.features import cache_sizes, cpu_features, cpu_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--remeasure", action="store_true")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    key = dispatch.machine_key()
+    path = dispatch.table_path(key)
+    if args.remeasure:
+        path.unlink(missing_ok=True)
+        dispatch._TABLES.clear()
+    print(f"cpu: {cpu_model()}; features allowed: {sorted(cpu_features())}; caches: "
+          + ", ".join(f"{k} {v >> 10} KiB" for k, v in cache_sizes().items()) + f"; threads {torch.get_num_threads()}")
+    print(f"table: {path}")
+    for d in args.dtypes.split(","):
+        dtype = getattr(torch, d)
+        table = dispatch.table(dtype)
+        lin = table.timings[d]["linear"]
+        cands = dispatch.linear_candidates(dtype)
+        print(f"\n{d}: {'rows':>5s} " + " ".join(f"{c + ' ms':>10s}" for c in cands) + "   chosen")
+        for rows, choice in zip(dispatch.ROW_CLASSES, table.linear[d]):
+            t = lin[str(rows)]
+            print(f"{d}: {rows:5d} " + " ".join(f"{1e3 * t[c]:10.3f}" for c in cands) + f"   {choice}")
+        att = table.timings[d]["attention"]
+        print(f"{d}: decode attention (8 x 256 keys): " + ", ".join(f"{c} {1e3 * t:.3f} ms" for c, t in att.items())
+              + f" -> {table.attention[d]}")
+        print(f"dispatch_{d}=" + ",".join(f"{r}:{c}" for r, c in zip(dispatch.ROW_CLASSES, table.linear[d]))
+              + f";attention:{table.attention[d]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""The kernel-or-torch choice for each op, made once per machine by measuring, not assuming.
+
+Why: a row threshold or a kernel that was right on the CPU it was tuned on lost by up to 2.2x on
+another (issue 14). So at first use on a machine, each candidate is timed on this CPU, alternating
+call by call (the memory bandwidth a shared host leaves moves within minutes), and the engine
+dispatches to the faster:
+
+- a linear's product, per row class (``ROW_CLASSES``: a product of ``rows`` takes the smallest class
+  ≥ rows): ``gemv`` (miniserve's kernel over panel-packed weights), ``onednn`` (oneDNN's linear over
+  its pre-packed copy), ``torch`` (stock ``F.linear`` over the plain weight);
+- a step's decode attention: ``kernel`` (miniserve's decode attention) or ``sdpa``.
+
+Each linear candidate reads its own copy of the weights, so a candidate that is not the one chosen
+for single rows (a decode step) must be more than ``EXTRA_COPY_MARGIN`` faster to be kept: a
+second copy costs a whole model's worth of memory. The table is cached as JSON beside the compiled
+kernels, under a name hashed from ``machine_key()`` (CPU model, its flags, the
+``MINISERVE_CPU_FEATURES`` mask, threads, torch and the kernels' sources); a file whose key differs
+is measured again, never reused. ``MINISERVE_DISPATCH=linear=onednn,attention=sdpa`` forces a
+candidate (tests run every path through it; benchmarks compare them).
+
+The private ``torch.ops.mkldnn`` calls live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.model import kernels
+from engine.model.kernels.features import cache_sizes, cpu_features, cpu_model, detected
+
+LINEAR = ("gemv", "onednn", "torch")
+ATTENTION = ("kernel", "sdpa")
+ROW_CLASSES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+EXTRA_COPY_MARGIN = 0.05  # a second copy of the weights must buy more than this
+FORCE_ENV = "MINISERVE_DISPATCH"
+VERSION = 1  # bump when what is measured changes
+log = logging.getLogger("miniserve.dispatch")
+
+
+# -- oneDNN (torch's private ops) --------------------------------------------------------------
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available()
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight (N, K) re-laid for oneDNN's linear: packing on every call is what makes stock bf16
+    F.linear slow on CPU."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (rows, K) times a weight packed by ``onednn_pack``."""
+    return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
+
+
+# -- blocking from the cache -------------------------------------------------------------------
+
+def row_block(k: int, element_size: int) -> int:
+    """Rows of x per pass of the gemv over the weights: as many as fit in half this core's L2 (x
+    is read again for every panel), at least 64 (a decode step in one pass: at 64 rows a weight
+    byte feeds 32-64 FLOPs, past any CPU's FLOP/byte balance) and a multiple of 8 (the register block)."""
+    l2 = cache_sizes().get("L2", 1 << 20)
+    return max(64, (l2 // 2) // max(1, k * element_size) // 8 * 8)
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+@dataclass
+class Table:
+    """What this machine dispatches to, per dtype, with the timings that chose it."""
+
+    key: dict
+    linear: dict[str, list[str]] = field(default_factory=dict)  # dtype -> choice per ROW_CLASSES
+    attention: dict[str, str] = field(default_factory=dict)  # dtype -> "kernel" | "sdpa"
+    timings: dict[str, dict] = field(default_factory=dict)  # dtype -> {"linear": {rows: {cand: s}}, "attention": {...}}
+
+    def linear_choices(self, dtype: torch.dtype) -> list[str]:
+        force = forced("linear", LINEAR)
+        if force is None:
+            return self.linear[_name(dtype)]
+        if force not in linear_candidates(dtype):
+            raise ValueError(f"{FORCE_ENV} forces linear={force}, which this machine cannot run for {dtype}")
+        return [force] * len(ROW_CLASSES)
+
+    def attention_choice(self, dtype: torch.dtype) -> str:
+        return forced("attention", ATTENTION) or self.attention[_name(dtype)]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def forced(op: str, allowed: tuple[str, ...]) -> str | None:
+    """The candidate ``MINISERVE_DISPATCH`` forces for ``op`` (``linear=onednn,attention=sdpa``), or None."""
+    text = os.environ.get(FORCE_ENV, "").strip()
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in ("linear", "attention") or (name == op and value not in allowed):
+            raise ValueError(f"{FORCE_ENV}={text!r}: use linear={'|'.join(LINEAR)} and/or "
+                             f"attention={'|'.join(ATTENTION)}, comma-separated")
+        if name == op:
+            return value
+    return None
+
+
+def machine_key() -> dict:
+    """What a cached table is valid for: another CPU, mask, thread count, torch or kernel source is
+    another machine."""
+    sources = hashlib.sha256(b"".join(p.read_bytes() for p in kernels.SOURCES + kernels.HEADERS)).hexdigest()[:16]
+    return {"version": VERSION, "cpu": cpu_model(), "detected": sorted(detected()), "allowed": sorted(cpu_features()),
+            "kernels": kernels.enabled(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "sources": sources, "onednn": onednn_available()}
+
+
+def table_path(key: dict) -> Path:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(_get_build_directory(kernels.NAME, verbose=False)) / f"dispatch-{digest}.json"
+
+
+def load_table(path: Path, key: dict) -> Table | None:
+    """The table cached at ``path`` if it was measured on this machine (same key), else None."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if data.get("key") != key:
+        return None
+    return Table(data["key"], data.get("linear", {}), data.get("attention", {}), data.get("timings", {}))
+
+
+def save_table(path: Path, table: Table) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(vars(table), indent=1, sort_keys=True))
+    tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+
+
+def choose_rows(timings: dict[int, dict[str, float]]) -> list[str]:
+    """The candidate per row class from measured seconds ({rows: {candidate: s}}): the fastest,
+    except that a candidate other than the single-row one (whose copy of the weights the engine
+    keeps anyway) must be more than EXTRA_COPY_MARGIN faster than it."""
+    first = min(timings[ROW_CLASSES[0]], key=timings[ROW_CLASSES[0]].get)
+    out = []
+    for rows in ROW_CLASSES:
+        t = timings[rows]
+        best = min(t, key=t.get)
+        keep_first = first in t and t[first] <= t[best] * (1 + EXTRA_COPY_MARGIN)
+        out.append(first if keep_first else best)
+    return out
+
+
+def choose(timings: dict[str, float]) -> str:
+    """The fastest candidate."""
+    return min(timings, key=timings.get)
+
+
+def choice_for_rows(choices: list[str], rows: int) -> str:
+    """The candidate for a product of ``rows`` rows: its row class's (the largest class's beyond it)."""
+    for bound, choice in zip(ROW_CLASSES, choices):
+        if rows <= bound:
+            return choice
+    return choices[-1]
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+def _fastest_alternating(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Each function's fastest of ``repeats`` calls, called in turn (after one warm round).
+
+    Why the fastest, not the median: on a shared 2-core VM a neighbour's thread takes a core for a
+    scheduler slice now and then, and a call that lost one is 4-8 ms slower whatever the kernel
+    (a median of a few calls caught that and picked F.linear for a 1-row product); noise here only
+    adds time, so the least time is each candidate's own."""
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    for i in range(repeats + 1):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            if i:  # the first round warms
+                times[name].append(time.perf_counter() - t)
+    return {n: min(ts) for n, ts in times.items()}
+
+
+def linear_candidates(dtype: torch.dtype) -> list[str]:
+    """The linear candidates this machine runs for ``dtype``."""
+    return [c for c in LINEAR if (c != "gemv" or kernels.gemv(dtype) is not None)
+            and (c != "onednn" or onednn_available())]
+
+
+@torch.inference_mode()
+def measure_linear(dtype: torch.dtype, repeats: int = 9) -> dict[int, dict[str, float]]:
+    """Seconds per product at each row class, per candidate, on a weight twice this CPU's last-level
+    cache (so small row counts stream it from memory, as a model's weights do)."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    k = 1024
+    n = max(2 * cache_sizes().get("L3", 32 << 20), 32 << 20) // (k * esize) // 32 * 32
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    bias = torch.zeros(n, dtype=dtype)
+    cands = linear_candidates(dtype)
+    gemv = kernels.gemv(dtype)
+    panels = kernels.pack_panels(w) if "gemv" in cands else None
+    packed = onednn_pack(w) if "onednn" in cands else None
+    block = row_block(k, esize)
+    out: dict[int, dict[str, float]] = {}
+    for rows in ROW_CLASSES:
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        fns = {"gemv": lambda: gemv(x, panels, bias, block), "onednn": lambda: onednn_linear(x, packed, bias),
+               "torch": lambda: F.linear(x, w, bias)}
+        out[rows] = _fastest_alternating({c: fns[c] for c in cands}, repeats if rows <= 64 else 3)
+    return out
+
+
+@torch.inference_mode()
+def measure_attention(dtype: torch.dtype, repeats: int = 9) -> dict[str, float]:
+    """Seconds per call of a step's decode attention (8 requests × 256 keys, 14 query heads over 2
+    KV heads of 64, the 0.5B model's layout) with miniserve's kernel and with SDPA."""
+    from engine.model.attention import RaggedBatch, ragged_attention
+
+    batch, ctx, heads, kv_heads, d = 8, 256, 14, 2, 64
+    kernel = kernels.decode_attention(dtype, d)
+    if kernel is None:
+        return {"sdpa": 0.0}
+    g = torch.Generator().manual_seed(0)
+    k_store = torch.randn(batch, kv_heads, 1024, d, generator=g).to(dtype)
+    v_store = torch.randn(batch, kv_heads, 1024, d, generator=g).to(dtype)
+    q = torch.randn(1, heads, batch, d, generator=g).to(dtype)
+    slots, q_lens, ctxs = list(range(batch)), [1] * batch, [ctx] * batch
+    with_kernel = RaggedBatch.build(slots, q_lens, ctxs, "ragged", kernel)
+    with_sdpa = RaggedBatch.build(slots, q_lens, ctxs, "ragged", None)
+    return _fastest_alternating({
+        "kernel": lambda: ragged_attention(None, q, k_store, v_store, with_kernel, scaling=d ** -0.5),
+        "sdpa": lambda: ragged_attention(None, q, k_store, v_store, with_sdpa, scaling=d ** -0.5)}, repeats)
+
+
+def measure(dtype: torch.dtype, table: Table) -> None:
+    """Time every candidate for ``dtype`` on this machine and record the choices in ``table``."""
+    t0 = time.perf_counter()
+    linear = measure_linear(dtype)
+    attention = measure_attention(dtype)
+    name = _name(dtype)
+    table.linear[name] = choose_rows(linear)
+    table.attention[name] = choose(attention)
+    table.timings[name] = {"linear": {str(r): t for r, t in linear.items()}, "attention": attention}
+    log.info("dispatch for %s measured on this CPU in %.1f s: linears %s by rows %s, decode attention %s",
+             name, time.perf_counter() - t0, table.linear[name], list(ROW_CLASSES), table.attention[name])
+
+
+_TABLES: dict[str, Table] = {}
+
+
+def table(dtype: torch.dtype) -> Table:
+    """This machine's table with ``dtype`` in it: read from the cache, measured where it lacks it."""
+    key = machine_key()
+    cache_id = json.dumps(key, sort_keys=True)
+    t = _TABLES.get(cache_id)
+    path = table_path(key)
+    if t is None:
+        t = load_table(path, key) or Table(key)
+        _TABLES[cache_id] = t
+    if _name(dtype) not in t.linear:
+        fresh = load_table(path, key)  # another process may have measured it meanwhile
+        if fresh is not None and _name(dtype) in fresh.linear:
+            t = _TABLES[cache_id] = fresh
+        else:
+            measure(dtype, t)
+            save_table(path, t)
+    return t
+
+
+def linear_choices(dtype: torch.dtype) -> list[str]:
+    """The linear candidate per ROW_CLASSES for ``dtype`` on this machine."""
+    return table(dtype).linear_choices(dtype)
+
+
+def decode_attention(dtype: torch.dtype, head_dim: int):
+    """miniserve's decode attention kernel where it runs and was measured faster here, else None (SDPA)."""
+    kernel = kernels.decode_attention(dtype, head_dim)
+    if kernel is None:
+        return None
+    return kernel if table(dtype).attention_choice(dtype) == "kernel" else None

@@ -1,0 +1,89 @@
+"""The per-machine dispatch (engine/model/kernels/dispatch.py): the measured-faster candidate wins
+(a second copy of the weights only by a margin), a table cached for another machine is measured
+again, and ``MINISERVE_DISPATCH`` forces a candidate or is refused."""
+
+import json
+
+import pytest
+import torch
+
+from engine.model.kernels import dispatch
+
+CLASSES = dispatch.ROW_CLASSES
+
+
+def fake(per_class):
+    return {r: per_class(r) for r in CLASSES}
+
+
+def test_the_fastest_candidate_is_chosen():
+    assert dispatch.choose({"kernel": 2e-4, "sdpa": 5e-4}) == "kernel"
+    assert dispatch.choose({"kernel": 6e-4, "sdpa": 5e-4}) == "sdpa"
+
+
+def test_each_row_class_takes_its_fastest_but_a_second_copy_must_earn_its_memory():
+    # gemv fastest at 1 row; oneDNN 2% faster at 128 (kept on gemv), 30% faster from 256
+    def times(r):
+        if r < 128:
+            return {"gemv": 1.0 * r, "onednn": 1.5 * r, "torch": 2.0 * r}
+        return {"gemv": 1.0 * r, "onednn": (0.98 if r == 128 else 0.7) * r, "torch": 2.0 * r}
+    assert dispatch.choose_rows(fake(times)) == ["gemv"] * 8 + ["onednn", "onednn"]
+    # where the single-row winner is oneDNN, it keeps every class it is within the margin of
+    assert dispatch.choose_rows(fake(lambda r: {"gemv": 1.1, "onednn": 1.0})) == ["onednn"] * len(CLASSES)
+
+
+def test_a_product_takes_its_row_class():
+    choices = ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"]
+    assert [dispatch.choice_for_rows(choices, r) for r in (1, 2, 3, 4, 5, 64, 65, 512, 4096)] == \
+        ["a", "b", "c", "c", "d", "g", "h", "j", "j"]
+
+
+def test_row_block_follows_the_l2_and_never_splits_a_decode_step(monkeypatch):
+    monkeypatch.setattr(dispatch, "cache_sizes", lambda: {"L2": 1 << 20})
+    assert dispatch.row_block(896, 4) == 144  # 512 KiB / 3584 B = 146 rows, to a multiple of 8
+    assert dispatch.row_block(4864, 4) == 64  # a wide x: still a decode step's 64 rows per pass
+    monkeypatch.setattr(dispatch, "cache_sizes", lambda: {"L2": 2 << 20})
+    assert dispatch.row_block(896, 4) == 288
+
+
+def test_a_table_cached_for_another_machine_is_measured_again(tmp_path, monkeypatch):
+    key = dispatch.machine_key()
+    path = tmp_path / "dispatch.json"
+    other = dict(key, cpu="Some Other CPU", detected=["avx2"])
+    dispatch.save_table(path, dispatch.Table(other, {"float32": ["torch"] * len(CLASSES)}, {"float32": "sdpa"}))
+    assert dispatch.load_table(path, key) is None
+    assert dispatch.load_table(path, other).linear["float32"] == ["torch"] * len(CLASSES)
+    assert dispatch.table_path(key) != dispatch.table_path(other)  # and it would not be looked up at all
+
+    measured = []
+
+    def measure(dtype, table):
+        measured.append(dtype)
+        table.linear["float32"], table.attention["float32"] = ["onednn"] * len(CLASSES), "kernel"
+
+    monkeypatch.setattr(dispatch, "table_path", lambda k: path)
+    monkeypatch.setattr(dispatch, "measure", measure)
+    monkeypatch.setattr(dispatch, "_TABLES", {})
+    assert dispatch.table(torch.float32).linear["float32"] == ["onednn"] * len(CLASSES)
+    assert measured == [torch.float32] and json.loads(path.read_text())["key"] == key
+    monkeypatch.setattr(dispatch, "_TABLES", {})
+    dispatch.table(torch.float32)  # now cached for this machine: read, not measured
+    assert measured == [torch.float32]
+
+
+def test_a_mask_is_another_machine(monkeypatch):
+    monkeypatch.delenv("MINISERVE_CPU_FEATURES", raising=False)
+    full = dispatch.machine_key()
+    monkeypatch.setenv("MINISERVE_CPU_FEATURES", "none")
+    assert dispatch.machine_key()["allowed"] == [] and dispatch.table_path(dispatch.machine_key()) != dispatch.table_path(full)
+
+
+def test_forcing_a_candidate(monkeypatch):
+    monkeypatch.setenv(dispatch.FORCE_ENV, "linear=torch,attention=sdpa")
+    assert dispatch.forced("linear", dispatch.LINEAR) == "torch"
+    assert dispatch.forced("attention", dispatch.ATTENTION) == "sdpa"
+    t = dispatch.Table({}, {"float32": ["gemv"] * len(CLASSES)}, {"float32": "kernel"})
+    assert t.linear_choices(torch.float32) == ["torch"] * len(CLASSES) and t.attention_choice(torch.float32) == "sdpa"
+    monkeypatch.setenv(dispatch.FORCE_ENV, "linear=cublas")
+    with pytest.raises(ValueError, match="linear=gemv|onednn|torch"):
+        dispatch.forced("linear", dispatch.LINEAR)
