@@ -5,15 +5,16 @@ from __future__ import annotations
 import datetime
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from calibration.cost_model import FEATURES, CostModel, plan_features
 from calibration.fit import Errors, fit_nnls, split_heldout
 from calibration.grid import GRID_SPECS, build_grid
-from calibration.profiler import Measurement, ShapePool, make_runner, measure_engine_runs, measure_shapes, threads_of
-from calibration.roofline import MemoryStamp, ModelShape, measure_machine, roofline_s
+from calibration.noise import noise_report
+from calibration.profiler import Measurement, Robustness, ShapePool, make_runner, measure_engine_runs, measure_shapes, threads_of
+from calibration.roofline import MemoryStamp, ModelShape, measure_machine, memory_read_gb_s, roofline_s
 from engine.core.config import ModelConfig
 from engine.model.device import describe, device_has_bf16 as bf16_native, resolve
 from engine.model.loader import config_fingerprint
@@ -28,6 +29,7 @@ class CalibrationConfig:
     overhead_runs: int = 2  # engine runs timed for the step overhead; their calls join the fit
     seed: int = 0
     progress: bool = True
+    robust: Robustness = field(default_factory=Robustness)
 
     def __post_init__(self) -> None:
         if self.grid not in GRID_SPECS:
@@ -51,14 +53,14 @@ class Calibration:
 def fit_cost_model(measurements: list[Measurement], heldout: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Coefficients fitted on the rows not held out, and every row's prediction."""
     X = np.asarray([plan_features(m.plan) for m in measurements])
-    y = np.asarray([m.median_s for m in measurements])
+    y = np.asarray([m.typical_s for m in measurements])
     coef = fit_nnls(X[~heldout], y[~heldout])
     return coef, X @ coef
 
 
 def error_table(measurements: list[Measurement], predicted: np.ndarray, baseline: np.ndarray,
                 heldout: np.ndarray) -> dict:
-    y = np.asarray([m.median_s for m in measurements])
+    y = np.asarray([m.typical_s for m in measurements])
     kinds = np.asarray([m.shape.kind for m in measurements])
     out = {"train": Errors.of(predicted[~heldout], y[~heldout]).to_dict(),
            "heldout": Errors.of(predicted[heldout], y[heldout]).to_dict(),
@@ -84,8 +86,8 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     runner = make_runner(model_config, slots, max_len)
     pool = ShapePool(runner, slots, max_len, seed=cfg.seed)
     with MemoryStamp() as memory:
-        measurements, retried = measure_shapes(pool, shapes, cfg.repeats or spec.repeats, cfg.warmup, cfg.seed,
-                                               cfg.progress)
+        measurements, mlog = measure_shapes(pool, shapes, cfg.repeats or spec.repeats, cfg.warmup, cfg.seed,
+                                            cfg.progress, cfg.robust, memory_read_gb_s)
         pool.release()
         overhead, engine_calls = measure_engine_runs(runner, min(8, slots), cfg.overhead_runs)
     measurements += engine_calls
@@ -96,7 +98,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     coef, predicted = fit_cost_model(measurements, heldout)
     baseline = np.asarray([roofline_s(m.plan, mshape, machine) for m in measurements])
     fit = error_table(measurements, predicted, baseline, heldout)
-    y = np.asarray([m.median_s for m in measurements])
+    y = np.asarray([m.typical_s for m in measurements])
     fit["measured_over_roofline_median"] = float(np.median(y / baseline))
     wall = time.perf_counter() - t0
 
@@ -115,11 +117,13 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
         "memory_read_gb_s": {"before": memory.before, "after": memory.after},  # CostModel.memory_read_gb_s
         "grid": {"name": cfg.grid, "spec": asdict(spec), "calls": len(shapes), "engine_calls": len(engine_calls),
                  "repeats": cfg.repeats or spec.repeats, "warmup": cfg.warmup, "wall_s": wall,
-                 "contended_retries": retried},
+                 "robust": asdict(cfg.robust), **mlog.to_dict()},
+        "noise": noise_report([m.times_s for m in measurements], y, predicted, [m.shape.kind for m in measurements],
+                              cfg.repeats or spec.repeats),
         "measurements": [{"shape": m.shape.name, "kind": m.shape.kind, "tokens": m.plan.total_tokens,
                           "requests": m.plan.num_requests, "samples": m.plan.num_samples,
                           "plan": plan_record(m.plan),
-                          "median_s": m.median_s, "spread": m.spread, "times_s": list(m.times_s),
+                          "median_s": m.median_s, "typical_s": m.typical_s, "spread": m.spread, "times_s": list(m.times_s),
                           "predicted_s": float(p), "roofline_s": float(b), "heldout": bool(h)}
                          for m, p, b, h in zip(measurements, predicted, baseline, heldout)],
     }

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -42,9 +43,25 @@ class Measurement:
         return statistics.median(self.times_s)
 
     @property
+    def typical_s(self) -> float:
+        """The interquartile mean of the repeats (the median for three or fewer): what the fit
+        uses. A slow spell hits a few repeats of a shape, not all, so the tails are left out."""
+        return trimmed_mean(self.times_s)
+
+    @property
     def spread(self) -> float:
         """(max − min) / median of the repeats: how noisy this shape was."""
         return (max(self.times_s) - min(self.times_s)) / self.median_s
+
+
+def trimmed_mean(values: Sequence[float], cut: float = 0.25) -> float:
+    """Mean of what is left after dropping the lowest and highest ``cut`` share (at least the
+    median is kept)."""
+    xs = sorted(values)
+    k = int(len(xs) * cut)
+    if len(xs) - 2 * k < 1 or len(xs) <= 3:
+        return statistics.median(xs)
+    return statistics.fmean(xs[k:len(xs) - k])
 
 
 class ShapePool:
@@ -78,37 +95,106 @@ def make_runner(model_config: ModelConfig, num_slots: int, max_len: int) -> Mode
     return ModelRunner(model_config, SchedulerConfig(max_num_seqs=num_slots, max_model_len=max_len + 2))
 
 
-def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int, warmup: int = 1, seed: int = 0,
-                   progress: bool = True, max_retries: int = 3) -> tuple[list[Measurement], int]:
-    """Warm-up passes, then ``repeats`` rounds over all shapes in a fresh random order each round,
-    so slow spells on a shared machine spread over shapes instead of landing on one.
+@dataclass(frozen=True)
+class Robustness:
+    """How a calibration fights a noisy machine (calibration.calibrate.CalibrationConfig carries it)."""
 
-    A call during which other processes used the CPU is measured again (up to ``max_retries``).
-    Returns the measurements and how many calls were retried. The progress bar shows on a terminal
-    only (a log file gets no carriage-return updates), then one summary line is logged.
+    max_retries: int = 3  # a call timed while others used the CPU is measured again, up to this often
+    wide_spread: float = 0.10  # shapes whose repeats spread wider than this get extra rounds ...
+    extra_rounds: int = 3  # ... at most this many
+    memory_drift: float = 0.20  # a round whose memory stamp is this far from the first is measured again
+    stamp_rounds: bool = True  # stamp memory bandwidth between rounds (~0.1 s each)
+
+
+@dataclass
+class MeasureLog:
+    """What happened while measuring, for the profile: order, retries, re-measured rounds, stamps."""
+
+    order: list[int] = field(default_factory=list)  # shape index of every timed call, in time order
+    retried: int = 0
+    rounds_remeasured: int = 0
+    extra_rounds: int = 0
+    round_stamps_gb_s: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"contended_retries": self.retried, "rounds_remeasured": self.rounds_remeasured,
+                "extra_rounds": self.extra_rounds, "round_stamps_gb_s": self.round_stamps_gb_s,
+                "measure_wall_s": self.wall_s}
+
+
+def round_order(num_shapes: int, rounds: int, seed: int) -> list[list[int]]:
+    """A fresh random order of the shapes per round: the repeats of one shape are spread across
+    the whole run, and a slow spell lands on many shapes once rather than on one shape thrice."""
+    rng = np.random.default_rng(seed)
+    return [[int(i) for i in rng.permutation(num_shapes)] for _ in range(rounds)]
+
+
+def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int, warmup: int = 1, seed: int = 0,
+                   progress: bool = True, robust: Robustness = Robustness(),
+                   stamp: Callable[[], float] | None = None) -> tuple[list[Measurement], MeasureLog]:
+    """Warm-up passes, then ``repeats`` rounds over all shapes, each in a fresh random order
+    (round_order); then up to ``robust.extra_rounds`` more rounds over the shapes whose repeats
+    still spread wider than ``robust.wide_spread``.
+
+    A call during which other processes used the CPU is measured again (up to
+    ``robust.max_retries``). With ``stamp`` (calibration.roofline.memory_read_gb_s), the memory
+    bandwidth is stamped after each round; a round stamped more than ``robust.memory_drift`` from
+    the first is measured once more and the other tenants' spell's times are dropped. The
+    progress bar shows on a terminal only; then one summary line is logged.
     """
     plans = [s.to_plan(pool.request_ids) for s in shapes]
     times: list[list[float]] = [[] for _ in shapes]
-    rng = np.random.default_rng(seed)
-    retried = 0
+    mlog = MeasureLog()
     start = time.perf_counter()
     bar = tqdm(total=len(shapes) * (warmup + repeats), desc="calibrating", unit="call",
                disable=None if progress else True)
-    for r in range(warmup + repeats):
-        for i in rng.permutation(len(shapes)):
+
+    def timed(i: int) -> float:
+        t, contended = pool.execute(plans[i])
+        for _ in range(robust.max_retries):
+            if not contended:
+                break
+            mlog.retried += 1
             t, contended = pool.execute(plans[i])
-            for _ in range(max_retries if r >= warmup else 0):
-                if not contended:
-                    break
-                retried += 1
-                t, contended = pool.execute(plans[i])
-            if r >= warmup:
-                times[i].append(t)
+        mlog.order.append(i)
+        bar.update()
+        return t
+
+    for order in round_order(len(shapes), warmup, seed + 1):
+        for i in order:
+            pool.execute(plans[i])
             bar.update()
+    reference = stamp() if stamp else None
+    for r, order in enumerate(round_order(len(shapes), repeats, seed)):
+        for attempt in range(2):
+            got = {i: timed(i) for i in order}
+            drifted = False
+            if stamp is not None and robust.stamp_rounds:
+                gb_s = stamp()
+                mlog.round_stamps_gb_s.append(gb_s)
+                drifted = abs(gb_s / reference - 1) > robust.memory_drift
+            if not drifted or attempt == 1:
+                break
+            mlog.rounds_remeasured += 1
+            bar.total += len(order)
+        for i, t in got.items():
+            times[i].append(t)
+    rng = np.random.default_rng(seed + 2)
+    for _ in range(robust.extra_rounds):
+        wide = [i for i, t in enumerate(times) if (max(t) - min(t)) / statistics.median(t) > robust.wide_spread]
+        if not wide:
+            break
+        mlog.extra_rounds += 1
+        bar.total += len(wide)
+        for i in rng.permutation(wide):
+            times[int(i)].append(timed(int(i)))
     bar.close()
-    log.info(f"measured {len(shapes)} shapes × {warmup} warm-up + {repeats} repeats in "
-             f"{time.perf_counter() - start:.1f} s, {retried} calls measured again (CPU contended)")
-    return [Measurement(s, p, tuple(t)) for s, p, t in zip(shapes, plans, times)], retried
+    mlog.wall_s = time.perf_counter() - start
+    log.info(f"measured {len(shapes)} shapes × {warmup} warm-up + {repeats} repeats in {mlog.wall_s:.1f} s, "
+             f"{mlog.retried} calls measured again (CPU contended), {mlog.rounds_remeasured} rounds again "
+             f"(memory stamp moved), {mlog.extra_rounds} extra rounds for wide shapes")
+    return [Measurement(s, p, tuple(t)) for s, p, t in zip(shapes, plans, times)], mlog
 
 
 @dataclass(frozen=True)
@@ -120,9 +206,11 @@ class OverheadSummary:
     p90_s: float
     steps: int
     share_of_busy: float  # Σ overhead / Σ model time
+    before_call_median_s: float = 0.0  # the part spent between a step's start and its model call
+    samples_s: tuple[float, ...] = ()  # every step's overhead (prediction bands draw from them)
 
     def to_dict(self) -> dict:
-        return self.__dict__.copy()
+        return {**self.__dict__, "samples_s": list(self.samples_s)}
 
 
 def step_overheads(steps) -> list[float]:
@@ -146,6 +234,7 @@ def measure_engine_runs(runner: ModelRunner, max_num_seqs: int,
     workload = WorkloadConfig(num_requests=2 * max_num_seqs, prompt=LengthDist("uniform", low=4, high=40),
                               output=LengthDist("uniform", low=2, high=10), seed=7)
     overheads: list[float] = []
+    before: list[float] = []
     calls: list[Measurement] = []
     busy = 0.0
     for k in range(runs + 1):  # the first run is a warm-up
@@ -154,11 +243,12 @@ def measure_engine_runs(runner: ModelRunner, max_num_seqs: int,
         engine.reset()
         if k:
             overheads += step_overheads(result.steps)
+            before += [st.end_s - st.start_s - st.model_s for st in result.steps]
             busy += sum(s.model_s for s in result.steps)
             calls += [Measurement(Shape.of_plan(s.plan, "engine"), s.plan, (s.model_s,)) for s in result.steps]
     arr = np.asarray(overheads)
     summary = OverheadSummary(float(np.median(arr)), float(arr.mean()), float(np.percentile(arr, 90)), len(arr),
-                              float(arr.sum() / busy))
+                              float(arr.sum() / busy), float(np.median(before)), tuple(float(x) for x in arr))
     return summary, calls
 
 
