@@ -174,6 +174,14 @@ class CostModel:
         stamp = self.info.get("memory_read_gb_s")
         return (stamp["before"] + stamp["after"]) / 2 if stamp else None
 
+    @property
+    def before_call_s(self) -> float:
+        """The part of ``step_overhead_s`` a real step spends before its model call (scheduling,
+        packing): its tokens come out that much after the step starts, plus the call. 0 for
+        profiles from before it was measured."""
+        part = self.info.get("step_overhead", {}).get("before_call_median_s", 0.0)
+        return min(max(part, 0.0), self.step_overhead_s)
+
     def to_dict(self) -> dict:
         return {"feature_names": list(self.feature_names), "coefficients": list(self.coefficients),
                 "step_overhead_s": self.step_overhead_s, "fingerprint": self.fingerprint, **self.info}

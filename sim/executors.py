@@ -9,6 +9,8 @@ request ids (a replay compares them), so the decodes a plan carries together sta
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
@@ -45,14 +47,16 @@ class SimExecutor(Protocol):
 
 
 class CostModelExecutor:
-    """The model call takes ``predict(plan)``; then ``step_overhead_s`` passes outside the call
-    (sampling, bookkeeping, scheduling the next step) before the next step can start."""
+    """A step spends ``before_call_s`` (scheduling, packing) before its model call, as the real
+    loop does; the call takes ``predict(plan)`` and its tokens come out at its end; the rest of
+    ``step_overhead_s`` (sampling bookkeeping, the loop) passes before the next step can start."""
 
     def __init__(self, cost_model: CostModel) -> None:
         self.cost_model = cost_model
         self._predict = cost_model.predict
         self._predict_decodes = cost_model.predict_decodes
-        self._overhead = cost_model.step_overhead_s
+        self._before = cost_model.before_call_s
+        self._after = cost_model.step_overhead_s - self._before
 
     def start(self, now: float) -> float:
         return now
@@ -60,16 +64,41 @@ class CostModelExecutor:
     def free(self, request_ids: Iterable[str]) -> None:
         pass
 
-    def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:
+    def call_s(self, plan: BatchPlan) -> float:
+        """The model call's duration."""
         if plan.ids:
-            duration = self._predict(plan)
-        else:  # decodes together, counted: most steps
-            duration = self._predict_decodes(plan.lane_size, plan.lane_context_sum)
-        end = start_s + duration
-        return StepResult(None, duration, end, end + self._overhead)
+            return self._predict(plan)
+        return self._predict_decodes(plan.lane_size, plan.lane_context_sum)  # decodes together, counted
 
-    def decode_costs(self, num_decodes: int) -> tuple[float, float, float]:
-        return (*self.cost_model.decode_cost_terms(num_decodes), self._overhead)
+    def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:
+        duration = self.call_s(plan)
+        end = start_s + self._before + duration
+        return StepResult(None, duration, end, end + self._after)
+
+    def decode_costs(self, num_decodes: int) -> tuple[float, float, float] | None:
+        fixed, per_context = self.cost_model.decode_cost_terms(num_decodes)
+        return fixed + self._before, per_context, self._after
+
+
+class NoisyExecutor(CostModelExecutor):
+    """The cost model with the profile's measured noise (calibration.noise): one replicate of a
+    run draws one machine-wide factor (a calibration round's, as a real run sits in one spell)
+    and every call a residual of the profile's own calls, seeded. Each step is drawn, so the
+    simulator never runs repeated steps at once (``decode_costs`` is None)."""
+
+    def __init__(self, cost_model: CostModel, seed: int) -> None:
+        super().__init__(cost_model)
+        noise = cost_model.info.get("noise") or {}
+        self._calls = noise.get("call_log") or [0.0]
+        rounds = noise.get("round_log") or [0.0]
+        self._rng = random.Random(seed)
+        self.run_factor = math.exp(self._rng.choice(rounds))
+
+    def call_s(self, plan: BatchPlan) -> float:
+        return super().call_s(plan) * self.run_factor * math.exp(self._rng.choice(self._calls))
+
+    def decode_costs(self, num_decodes: int) -> None:
+        return None
 
 
 class ReplayDivergedError(RuntimeError):
