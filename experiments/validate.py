@@ -190,7 +190,11 @@ def real_run(engine, row: Row, calibration_gb_s: float, limits: Contention) -> d
     reason = contended(others.others_cores, memory.gb_s, calibration_gb_s, limits)
     return {"metrics": metrics, "memory_gb_s": memory.gb_s, "others_cores": others.others_cores,
             "contended": bool(reason), "reason": reason,
-            "replay": [(r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens) for r in real.records]}
+            "replay": [(r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens) for r in real.records],
+            # for side-by-side traces: each step (label, start, end, model call) and each request's
+            # (id, arrival, first scheduled, first token)
+            "steps": [(st.plan.label, st.start_s, st.end_s, st.model_s) for st in real.steps],
+            "first_tokens": [(r.request_id, r.arrival_s, r.first_scheduled_s, r.token_times_s[0]) for r in real.records]}
 
 
 def real_repeat(app: ValidateApp, rows: list[Row], calibration_gb_s: float, repeat: int) -> list[dict]:

@@ -2,6 +2,7 @@
 rate, replicas and routers, closed loop, compact records, capacity search."""
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -68,6 +69,20 @@ def test_idle_engine_waits_for_the_arrival_and_cost_model_adds_overhead_between_
     assert m["ttft_s"]["mean"] == pytest.approx(0.2)
     assert m["tpot_s"]["mean"] == pytest.approx(0.15)
     assert m["e2el_s"]["mean"] == pytest.approx(0.8)
+
+
+
+def test_the_overhead_before_the_call_delays_the_tokens_as_in_the_real_loop():
+    # of the 0.05 s outside the call, 0.02 s is spent before it (scheduling, packing): the real
+    # loop stamps a step's start before scheduling and its tokens after the call
+    cost = cost_model_from(step_overhead_s=0.05, const=0.1, prefill_tokens=0.01)
+    cost = replace(cost, info={"step_overhead": {"before_call_median_s": 0.02}})
+    assert cost.before_call_s == 0.02
+    sim = simulate(one_request(arrival_s=2.0), SchedulerConfig(name="continuous"), lambda: CostModelExecutor(cost))
+    (rec,) = sim.records
+    # each step: 0.02 before, the call, 0.03 after; step to step still 0.05 + call
+    assert rec.token_times_s == pytest.approx((2.22, 2.37, 2.52, 2.67, 2.82), abs=1e-12)
+    assert sim.metrics()["ttft_s"]["mean"] == pytest.approx(0.22)
 
 
 SCHEDULERS = st.sampled_from([
