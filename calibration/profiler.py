@@ -104,6 +104,7 @@ class Robustness:
     extra_rounds: int = 3  # ... at most this many
     memory_drift: float = 0.20  # a round whose memory stamp is this far from the first is measured again
     stamp_rounds: bool = True  # stamp memory bandwidth between rounds (~0.1 s each)
+    budget_s: float = 200.0  # past this (from the first timed call) no more retries, re-measured or extra rounds
 
 
 @dataclass
@@ -140,8 +141,9 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int, warmup: i
     A call during which other processes used the CPU is measured again (up to
     ``robust.max_retries``). With ``stamp`` (calibration.roofline.memory_read_gb_s), the memory
     bandwidth is stamped after each round; a round stamped more than ``robust.memory_drift`` from
-    the first is measured once more and the other tenants' spell's times are dropped. The
-    progress bar shows on a terminal only; then one summary line is logged.
+    the first is measured once more and the other tenants' spell's times are dropped. Retries,
+    re-measured and extra rounds stop once ``robust.budget_s`` has passed: the base rounds always
+    finish, so a busy machine costs precision, not an unbounded wait. The progress bar shows on a terminal only; then one summary line is logged.
     """
     plans = [s.to_plan(pool.request_ids) for s in shapes]
     times: list[list[float]] = [[] for _ in shapes]
@@ -150,10 +152,13 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int, warmup: i
     bar = tqdm(total=len(shapes) * (warmup + repeats), desc="calibrating", unit="call",
                disable=None if progress else True)
 
+    def over_budget() -> bool:
+        return time.perf_counter() - start > robust.budget_s
+
     def timed(i: int) -> float:
         t, contended = pool.execute(plans[i])
         for _ in range(robust.max_retries):
-            if not contended:
+            if not contended or over_budget():
                 break
             mlog.retried += 1
             t, contended = pool.execute(plans[i])
@@ -174,7 +179,7 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int, warmup: i
                 gb_s = stamp()
                 mlog.round_stamps_gb_s.append(gb_s)
                 drifted = abs(gb_s / reference - 1) > robust.memory_drift
-            if not drifted or attempt == 1:
+            if not drifted or attempt == 1 or over_budget():
                 break
             mlog.rounds_remeasured += 1
             bar.total += len(order)
@@ -182,6 +187,8 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int, warmup: i
             times[i].append(t)
     rng = np.random.default_rng(seed + 2)
     for _ in range(robust.extra_rounds):
+        if over_budget():
+            break
         wide = [i for i, t in enumerate(times) if (max(t) - min(t)) / statistics.median(t) > robust.wide_spread]
         if not wide:
             break

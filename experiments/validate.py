@@ -32,7 +32,7 @@ import math
 import random
 import statistics
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -193,7 +193,8 @@ def real_run(engine, row: Row, calibration_gb_s: float, limits: Contention) -> d
             "replay": [(r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens) for r in real.records],
             # for side-by-side traces: each step (label, start, end, model call) and each request's
             # (id, arrival, first scheduled, first token)
-            "steps": [(st.plan.label, st.start_s, st.end_s, st.model_s) for st in real.steps],
+            "steps": [(st.plan.label, st.start_s, st.end_s, st.model_s, list(st.plan.num_tokens),
+                       list(st.plan.context_lens), list(st.plan.samples), st.plan.num_decodes) for st in real.steps],
             "first_tokens": [(r.request_id, r.arrival_s, r.first_scheduled_s, r.token_times_s[0]) for r in real.records]}
 
 
@@ -211,7 +212,7 @@ def real_repeat(app: ValidateApp, rows: list[Row], calibration_gb_s: float, repe
     for i in order:
         for attempt in range(2):
             run = {**real_run(engine, rows[i], calibration_gb_s, app.contention), "row": i, "repeat": repeat,
-                   "attempt": attempt}
+                   "attempt": attempt, "meta": {"workload": rows[i].name, "scheduler": asdict(rows[i].scheduler)}}
             out.append(run)
             print(f"  repeat {repeat} {rows[i].name:14s} {rows[i].scheduler.name:10s} cap={rows[i].scheduler.max_num_seqs}: "
                   f"{run['metrics']['output_throughput_tok_s']:.2f} out tok/s, memory {run['memory_gb_s']:.0f} GB/s"

@@ -158,3 +158,12 @@ def test_the_last_attempt_of_each_repeat_counts_and_the_contended_first_stays_ou
     runs = [{"repeat": 0, "attempt": 0, "contended": True, "x": 1}, {"repeat": 0, "attempt": 1, "contended": False, "x": 2},
             {"repeat": 1, "attempt": 0, "contended": False, "x": 3}]
     assert [r["x"] for r in counted(runs)] == [2, 3]
+
+
+def test_past_the_time_budget_only_the_base_rounds_run():
+    script = {"a": [(1.0, True)], "b": [(1.0, False)], "c": [(1.0, False), (2.0, False)]}
+    pool = FakePool(script)
+    ms, mlog = measure_shapes(pool, list(SHAPES.values()), repeats=2, warmup=0, progress=False,
+                              robust=Robustness(budget_s=0.0))
+    assert mlog.retried == 0 and mlog.extra_rounds == 0  # a contended a and a wide c, but no time left
+    assert all(len(m.times_s) == 2 for m in ms) and len(pool.calls) == 6
