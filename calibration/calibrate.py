@@ -124,6 +124,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
                           "requests": m.plan.num_requests, "samples": m.plan.num_samples,
                           "plan": plan_record(m.plan),
                           "median_s": m.median_s, "typical_s": m.typical_s, "spread": m.spread, "times_s": list(m.times_s),
+                          "contended": list(m.contended),
                           "predicted_s": float(p), "roofline_s": float(b), "heldout": bool(h)}
                          for m, p, b, h in zip(measurements, predicted, baseline, heldout)],
     }

@@ -37,16 +37,24 @@ class Measurement:
     shape: Shape
     plan: BatchPlan
     times_s: tuple[float, ...]
+    contended: tuple[bool, ...] = ()  # per time: still contended after its retries
 
     @property
     def median_s(self) -> float:
         return statistics.median(self.times_s)
 
     @property
+    def clean_times_s(self) -> tuple[float, ...]:
+        """The times no other process disturbed, or all of them when none was undisturbed."""
+        clean = tuple(t for t, c in zip(self.times_s, self.contended) if not c)
+        return clean or self.times_s
+
+    @property
     def typical_s(self) -> float:
-        """The interquartile mean of the repeats (the median for three or fewer): what the fit
-        uses. A slow spell hits a few repeats of a shape, not all, so the tails are left out."""
-        return trimmed_mean(self.times_s)
+        """The interquartile mean of the undisturbed repeats (the median for three or fewer):
+        what the fit uses. A slow spell hits a few repeats of a shape, not all, so the tails and
+        the calls others disturbed are left out."""
+        return trimmed_mean(self.clean_times_s)
 
     @property
     def spread(self) -> float:
@@ -102,7 +110,7 @@ class Robustness:
     max_retries: int = 3  # a call timed while others used the CPU is measured again, up to this often
     wide_spread: float = 0.10  # shapes whose repeats spread wider than this get extra rounds ...
     extra_rounds: int = 3  # ... at most this many
-    memory_drift: float = 0.20  # a round whose memory stamp is this far from the first is measured again
+    memory_drift: float = 0.20  # a round whose memory stamp is this far from the usual (median) is measured again
     stamp_rounds: bool = True  # stamp memory bandwidth between rounds (~0.1 s each)
     budget_s: float = 200.0  # past this (from the first timed call) no more retries, re-measured or extra rounds
 
@@ -139,14 +147,18 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int, warmup: i
     still spread wider than ``robust.wide_spread``.
 
     A call during which other processes used the CPU is measured again (up to
-    ``robust.max_retries``). With ``stamp`` (calibration.roofline.memory_read_gb_s), the memory
-    bandwidth is stamped after each round; a round stamped more than ``robust.memory_drift`` from
-    the first is measured once more and the other tenants' spell's times are dropped. Retries,
-    re-measured and extra rounds stop once ``robust.budget_s`` has passed: the base rounds always
-    finish, so a busy machine costs precision, not an unbounded wait. The progress bar shows on a terminal only; then one summary line is logged.
+    ``robust.max_retries``); one still contended then is kept but flagged, and the shape's
+    typical time leaves it out (Measurement.typical_s). With ``stamp``
+    (calibration.roofline.memory_read_gb_s), the memory bandwidth is stamped after each round; a
+    round stamped more than ``robust.memory_drift`` from the median of the stamps before it is
+    measured once more and the spell's times are dropped. Retries, re-measured and extra rounds
+    stop once ``robust.budget_s`` has passed: the base rounds always finish, so a busy machine
+    costs precision, not an unbounded wait. The progress bar shows on a terminal only; then one
+    summary line is logged.
     """
     plans = [s.to_plan(pool.request_ids) for s in shapes]
     times: list[list[float]] = [[] for _ in shapes]
+    flags: list[list[bool]] = [[] for _ in shapes]
     mlog = MeasureLog()
     start = time.perf_counter()
     bar = tqdm(total=len(shapes) * (warmup + repeats), desc="calibrating", unit="call",
@@ -155,7 +167,7 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int, warmup: i
     def over_budget() -> bool:
         return time.perf_counter() - start > robust.budget_s
 
-    def timed(i: int) -> float:
+    def timed(i: int) -> tuple[float, bool]:
         t, contended = pool.execute(plans[i])
         for _ in range(robust.max_retries):
             if not contended or over_budget():
@@ -164,13 +176,13 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int, warmup: i
             t, contended = pool.execute(plans[i])
         mlog.order.append(i)
         bar.update()
-        return t
+        return t, contended
 
     for order in round_order(len(shapes), warmup, seed + 1):
         for i in order:
             pool.execute(plans[i])
             bar.update()
-    reference = stamp() if stamp else None
+    stamps = [stamp()] if stamp else []
     for r, order in enumerate(round_order(len(shapes), repeats, seed)):
         for attempt in range(2):
             got = {i: timed(i) for i in order}
@@ -178,30 +190,39 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int, warmup: i
             if stamp is not None and robust.stamp_rounds:
                 gb_s = stamp()
                 mlog.round_stamps_gb_s.append(gb_s)
-                drifted = abs(gb_s / reference - 1) > robust.memory_drift
+                drifted = abs(gb_s / statistics.median(stamps) - 1) > robust.memory_drift  # against the usual
+                stamps.append(gb_s)
             if not drifted or attempt == 1 or over_budget():
                 break
             mlog.rounds_remeasured += 1
             bar.total += len(order)
-        for i, t in got.items():
+        for i, (t, c) in got.items():
             times[i].append(t)
+            flags[i].append(c)
     rng = np.random.default_rng(seed + 2)
     for _ in range(robust.extra_rounds):
         if over_budget():
             break
-        wide = [i for i, t in enumerate(times) if (max(t) - min(t)) / statistics.median(t) > robust.wide_spread]
+        wide = [i for i, t in enumerate(times) if spread(t) > robust.wide_spread]
         if not wide:
             break
         mlog.extra_rounds += 1
         bar.total += len(wide)
         for i in rng.permutation(wide):
-            times[int(i)].append(timed(int(i)))
+            t, c = timed(int(i))
+            times[int(i)].append(t)
+            flags[int(i)].append(c)
     bar.close()
     mlog.wall_s = time.perf_counter() - start
     log.info(f"measured {len(shapes)} shapes × {warmup} warm-up + {repeats} repeats in {mlog.wall_s:.1f} s, "
              f"{mlog.retried} calls measured again (CPU contended), {mlog.rounds_remeasured} rounds again "
              f"(memory stamp moved), {mlog.extra_rounds} extra rounds for wide shapes")
-    return [Measurement(s, p, tuple(t)) for s, p, t in zip(shapes, plans, times)], mlog
+    return [Measurement(s, p, tuple(t), tuple(f)) for s, p, t, f in zip(shapes, plans, times, flags)], mlog
+
+
+def spread(times: Sequence[float]) -> float:
+    """(max − min) / median."""
+    return (max(times) - min(times)) / statistics.median(times)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ def test_measure_retries_contended_calls_and_adds_rounds_only_for_wide_shapes():
 
 def test_a_round_whose_memory_stamp_moved_is_measured_again():
     pool = FakePool({k: [(1.0, False)] for k in SHAPES})
-    stamps = iter([50.0, 30.0, 50.0, 49.0])  # reference, round 0 (-40%: again), round 0 again, round 1
+    stamps = iter([50.0, 30.0, 50.0, 49.0])  # before, round 0 (-40%: again), round 0 again, round 1
     ms, mlog = measure_shapes(pool, list(SHAPES.values()), repeats=2, warmup=0, progress=False,
                               robust=Robustness(extra_rounds=0), stamp=lambda: next(stamps))
     assert mlog.rounds_remeasured == 1 and mlog.round_stamps_gb_s == [30.0, 50.0, 49.0]
@@ -167,3 +167,14 @@ def test_past_the_time_budget_only_the_base_rounds_run():
                               robust=Robustness(budget_s=0.0))
     assert mlog.retried == 0 and mlog.extra_rounds == 0  # a contended a and a wide c, but no time left
     assert all(len(m.times_s) == 2 for m in ms) and len(pool.calls) == 6
+
+
+def test_a_call_still_contended_after_its_retries_is_kept_flagged_and_left_out_of_the_typical_time():
+    script = {"a": [(1.0, False), (5.0, True), (5.0, True), (1.2, False)], "b": [(1.0, False)], "c": [(1.0, True)]}
+    pool = FakePool(script)
+    ms, _ = measure_shapes(pool, list(SHAPES.values()), repeats=2, warmup=0, progress=False,
+                           robust=Robustness(max_retries=1, extra_rounds=0))
+    a, _, c = ms
+    assert a.times_s == (1.0, 5.0) and a.contended == (False, True)
+    assert a.typical_s == 1.0  # the disturbed 5.0 is left out
+    assert c.typical_s == 1.0 and all(c.contended)  # nothing undisturbed: all of them count
