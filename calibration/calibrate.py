@@ -13,7 +13,8 @@ from calibration.cost_model import FEATURES, CostModel, plan_features
 from calibration.fit import Errors, fit_nnls, split_heldout
 from calibration.grid import GRID_SPECS, build_grid
 from calibration.noise import noise_report
-from calibration.profiler import Measurement, Robustness, ShapePool, make_runner, measure_engine_runs, measure_shapes, threads_of
+from calibration.profiler import (IDLE_SHAPES, Measurement, Robustness, ShapePool, make_runner, measure_after_idle,
+                                  measure_engine_runs, measure_shapes, threads_of)
 from calibration.roofline import MemoryStamp, ModelShape, measure_machine, memory_read_gb_s, roofline_s
 from engine.core.config import ModelConfig
 from engine.model.device import describe, device_has_bf16 as bf16_native, resolve
@@ -88,6 +89,8 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     with MemoryStamp() as memory:
         measurements, mlog = measure_shapes(pool, shapes, cfg.repeats or spec.repeats, cfg.warmup, cfg.seed,
                                             cfg.progress, cfg.robust, memory_read_gb_s)
+        after_idle = measure_after_idle(pool, [s for s in IDLE_SHAPES if s.max_len <= max_len
+                                                and s.num_requests <= slots])
         pool.release()
         overhead, engine_calls = measure_engine_runs(runner, min(8, slots), cfg.overhead_runs)
     measurements += engine_calls
@@ -113,6 +116,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
                         "host": platform.node(), "engine_code": engine_code_version()},
         "fit": fit,
         "step_overhead": overhead.to_dict(),
+        "after_idle": after_idle,  # CostModel.after_idle_s
         "roofline": {"machine": machine.to_dict(), "heldout": fit["roofline_heldout"]},
         "memory_read_gb_s": {"before": memory.before, "after": memory.after},  # CostModel.memory_read_gb_s
         "grid": {"name": cfg.grid, "spec": asdict(spec), "calls": len(shapes), "engine_calls": len(engine_calls),

@@ -182,6 +182,14 @@ class CostModel:
         part = self.info.get("step_overhead", {}).get("before_call_median_s", 0.0)
         return min(max(part, 0.0), self.step_overhead_s)
 
+    @property
+    def after_idle_s(self) -> tuple[float, float]:
+        """(idle seconds, extra seconds): a call that starts after the engine sat idle at least
+        that long takes that much longer than predicted (calibration.profiler.measure_after_idle).
+        (inf, 0) for profiles from before it was measured."""
+        part = self.info.get("after_idle")
+        return (part["idle_s"], part["extra_s"]) if part else (float("inf"), 0.0)
+
     def to_dict(self) -> dict:
         return {"feature_names": list(self.feature_names), "coefficients": list(self.coefficients),
                 "step_overhead_s": self.step_overhead_s, "fingerprint": self.fingerprint, **self.info}

@@ -225,6 +225,30 @@ def spread(times: Sequence[float]) -> float:
     return (max(times) - min(times)) / statistics.median(times)
 
 
+def measure_after_idle(pool: ShapePool, shapes: list[Shape], idle_s: float = 0.1, rounds: int = 5,
+                       sleep: Callable[[float], None] = time.sleep) -> dict:
+    """What a model call costs more right after the engine sat idle (``idle_s``, as a serving loop
+    does between arrivals at low load) than the same call back to back: the median over
+    ``shapes`` × ``rounds`` of (after idle − back to back), each pair timed one after the other.
+    The grid times calls back to back, so without this the first call after idle is predicted
+    too fast (calibration.cost_model.CostModel.after_idle)."""
+    plans = [s.to_plan(pool.request_ids) for s in shapes]
+    extra, ratio = [], []
+    for _ in range(rounds):
+        for plan in plans:
+            busy = pool.execute(plan)[0]
+            sleep(idle_s)
+            cold = pool.execute(plan)[0]
+            extra.append(cold - busy)
+            ratio.append(cold / busy)
+    return {"idle_s": idle_s, "extra_s": max(0.0, float(np.median(extra))), "ratio_median": float(np.median(ratio)),
+            "pairs": len(extra)}
+
+
+IDLE_SHAPES = (Shape("decode", decode_contexts=(64,)), Shape("prefill", chunks=((16, 0, True),)),
+               Shape("prefill", chunks=((32, 0, True),)), Shape("prefill", chunks=((12, 0, True),) * 4))
+
+
 @dataclass(frozen=True)
 class OverheadSummary:
     """Per-step wall time outside the model call: scheduling, packing, sampling, bookkeeping."""

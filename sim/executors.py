@@ -39,6 +39,9 @@ class SimExecutor(Protocol):
     def free(self, request_ids: Iterable[str]) -> None:
         """Nothing is held in simulation."""
 
+    def rest(self, idle_s: float) -> None:
+        """The engine has sat idle ``idle_s`` so far (nothing to run); the next call may cost more."""
+
     def decode_costs(self, num_decodes: int) -> tuple[float, float, float] | None:
         """(seconds, seconds per context token, overhead after the call) of a step that decodes
         ``num_decodes`` requests together and nothing else, when that is linear in the context:
@@ -48,7 +51,8 @@ class SimExecutor(Protocol):
 
 class CostModelExecutor:
     """A step spends ``before_call_s`` (scheduling, packing) before its model call, as the real
-    loop does; the call takes ``predict(plan)`` and its tokens come out at its end; the rest of
+    loop does; the call takes ``predict(plan)`` (plus the profile's ``after_idle_s`` extra when the
+    engine sat idle before it) and its tokens come out at its end; the rest of
     ``step_overhead_s`` (sampling bookkeeping, the loop) passes before the next step can start."""
 
     def __init__(self, cost_model: CostModel) -> None:
@@ -57,12 +61,17 @@ class CostModelExecutor:
         self._predict_decodes = cost_model.predict_decodes
         self._before = cost_model.before_call_s
         self._after = cost_model.step_overhead_s - self._before
+        self._idle_after_s, self._idle_extra_s = cost_model.after_idle_s
+        self._idle_s = 0.0
 
     def start(self, now: float) -> float:
         return now
 
     def free(self, request_ids: Iterable[str]) -> None:
         pass
+
+    def rest(self, idle_s: float) -> None:
+        self._idle_s = idle_s
 
     def call_s(self, plan: BatchPlan) -> float:
         """The model call's duration."""
@@ -72,6 +81,9 @@ class CostModelExecutor:
 
     def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:
         duration = self.call_s(plan)
+        if self._idle_s:  # the first call after the engine sat idle (threads asleep, caches cold)
+            duration += self._idle_extra_s if self._idle_s >= self._idle_after_s else 0.0
+            self._idle_s = 0.0
         end = start_s + self._before + duration
         return StepResult(None, duration, end, end + self._after)
 
@@ -119,6 +131,9 @@ class ReplayExecutor:
     def free(self, request_ids: Iterable[str]) -> None:
         pass
 
+    def rest(self, idle_s: float) -> None:
+        pass  # the recorded durations have it already
+
     def start(self, now: float) -> float:
         if self.index >= len(self.steps):  # the run is over (or about to diverge, which execute() reports)
             return now
@@ -148,6 +163,9 @@ class ConstantExecutor:
         return now
 
     def free(self, request_ids: Iterable[str]) -> None:
+        pass
+
+    def rest(self, idle_s: float) -> None:
         pass
 
     def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:

@@ -178,3 +178,14 @@ def test_a_call_still_contended_after_its_retries_is_kept_flagged_and_left_out_o
     assert a.times_s == (1.0, 5.0) and a.contended == (False, True)
     assert a.typical_s == 1.0  # the disturbed 5.0 is left out
     assert c.typical_s == 1.0 and all(c.contended)  # nothing undisturbed: all of them count
+
+
+def test_after_idle_is_the_median_extra_of_a_call_after_a_sleep_over_the_same_call_back_to_back():
+    from calibration.profiler import measure_after_idle
+
+    slept = []
+    pool = FakePool({"a": [(1.0, False), (1.2, False)] * 3, "b": [(2.0, False), (2.1, False)] * 3})
+    out = measure_after_idle(pool, [SHAPES["a"], SHAPES["b"]], idle_s=0.1, rounds=3, sleep=slept.append)
+    assert slept == [0.1] * 6 and out["pairs"] == 6
+    assert out["extra_s"] == pytest.approx(0.15)  # median of 0.2 ×3 and 0.1 ×3
+    assert out["idle_s"] == 0.1

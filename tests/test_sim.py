@@ -85,6 +85,20 @@ def test_the_overhead_before_the_call_delays_the_tokens_as_in_the_real_loop():
     assert sim.metrics()["ttft_s"]["mean"] == pytest.approx(0.22)
 
 
+
+def test_the_first_call_after_the_engine_sat_idle_costs_the_profiles_extra():
+    # a call after >= 0.1 s of idle takes 0.03 s more (calibration.profiler.measure_after_idle)
+    cost = cost_model_from(const=0.1)
+    cost = replace(cost, info={"after_idle": {"idle_s": 0.1, "extra_s": 0.03}})
+    requests = [Request("a", range(4), 2, arrival_s=1.0), Request("b", range(4), 2, arrival_s=1.25),
+                Request("c", range(4), 2, arrival_s=1.40)]
+    sim = simulate(requests, SchedulerConfig(name="serial"), lambda: CostModelExecutor(cost))
+    a, b, c = sim.records
+    assert a.token_times_s == pytest.approx((1.13, 1.23))  # idle 1 s before: 0.13, then 0.1 back to back
+    assert b.token_times_s == pytest.approx((1.35, 1.45))  # idle 0.02 s (1.23 → 1.25): no extra
+    assert c.token_times_s == pytest.approx((1.55, 1.65))  # arrived while b ran: never idle
+
+
 SCHEDULERS = st.sampled_from([
     SchedulerConfig(name="serial", max_num_seqs=4),
     SchedulerConfig(name="static", max_num_seqs=4),
