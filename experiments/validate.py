@@ -66,6 +66,7 @@ class Matrix:
     arrivals: list[str] = field(default_factory=lambda: ["poisson", "gamma"])
     load_levels: list[float] = field(default_factory=lambda: [0.3, 0.6, 0.9])
     repeats: int = 3  # real runs per row, each repeat in a fresh process
+    gamma_burstiness: float = 0.25  # the gamma shape of the gamma rows (1 would be Poisson)
 
 
 @dataclass
@@ -151,6 +152,8 @@ def matrix_rows(app: ValidateApp, cost: CostModel) -> list[Row]:
             for arrival in app.matrix.arrivals:
                 for level in app.matrix.load_levels:
                     wl = replace(app.workload, arrival=arrival, rate=level * mu)
+                    if arrival == "gamma":
+                        wl = replace(wl, burstiness=app.matrix.gamma_burstiness)
                     rows.append(Row(f"{arrival}@{level:g}", scheduler, wl))
     return rows
 
