@@ -91,7 +91,7 @@ def run_app(app: SimulateApp, out_dir: Path) -> dict:
                           app.bands.seed, concurrency=workload_requests(app.workload)[1],
                           num_replicas=app.replicas, router=app.router)
         metrics = {**metrics, "bands": {"replicates": app.bands.replicates, "seed": app.bands.seed,
-                                        **bands([r.metrics(**goodput.seconds()) for r in runs])}}
+                                        **bands([r.log.summarize(r.duration_s, **goodput.seconds()) for r in runs])}}
         write_metrics_json(metrics, out_dir / "metrics.json")
     if app.capacity.enabled:
         cap = app.capacity
