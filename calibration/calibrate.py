@@ -123,7 +123,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
                  "repeats": cfg.repeats or spec.repeats, "warmup": cfg.warmup, "wall_s": wall,
                  "robust": asdict(cfg.robust), **mlog.to_dict()},
         "noise": noise_report([m.times_s for m in measurements], y, predicted, [m.shape.kind for m in measurements],
-                              cfg.repeats or spec.repeats),
+                              cfg.repeats or spec.repeats, [m.contended for m in measurements]),
         "measurements": [{"shape": m.shape.name, "kind": m.shape.kind, "tokens": m.plan.total_tokens,
                           "requests": m.plan.num_requests, "samples": m.plan.num_samples,
                           "plan": plan_record(m.plan),

@@ -29,16 +29,19 @@ def round_factors(times: Sequence[Sequence[float]], typical: Sequence[float], ro
 
 
 def noise_report(times: Sequence[Sequence[float]], typical: Sequence[float], predicted: Sequence[float],
-                 kinds: Sequence[str], rounds: int) -> dict:
+                 kinds: Sequence[str], rounds: int, contended: Sequence[Sequence[bool]] = ()) -> dict:
     """The profile's ``noise`` entry. ``times[i]`` are shape i's timed calls in round order
     (engine calls: one each, ``kinds[i] == "engine"``), ``typical[i]`` the statistic the fit used,
-    ``predicted[i]`` the fitted prediction; the first ``rounds`` repeats of grid shapes are rounds."""
+    ``predicted[i]`` the fitted prediction; the first ``rounds`` repeats of grid shapes are rounds.
+    Calls still contended after their retries (``contended[i][r]``) stay out of ``call_log``: a
+    real run that others disturbed is flagged and run again, so the band is for undisturbed runs."""
     grid = [i for i, k in enumerate(kinds) if k != "engine"]
     factors = round_factors([times[i] for i in grid], [typical[i] for i in grid], rounds)
     calls: list[float] = []
     for i, ts in enumerate(times):
+        flags = contended[i] if i < len(contended) else ()
         for r, t in enumerate(ts):
-            if t <= 0 or predicted[i] <= 0:
+            if t <= 0 or predicted[i] <= 0 or (r < len(flags) and flags[r]):
                 continue
             shift = factors[r] if kinds[i] != "engine" and r < len(factors) else 0.0
             calls.append(math.log(t / predicted[i]) - shift)

@@ -85,6 +85,9 @@ def test_noise_report_separates_machine_rounds_from_call_residuals():
     assert sorted(report["call_log"])[:-1] == pytest.approx([0.0] * 6, abs=1e-4)
     assert report["call_log"][-1] == pytest.approx(math.log(1.25), abs=1e-4)
     assert report["shape_spread"]["max"] == pytest.approx(0.1)
+    # a call still contended after its retries stays out of the residuals
+    flagged = noise_report(times, typical, predicted, kinds, rounds=3, contended=[(False, False, True), (), ()])
+    assert len(flagged["call_log"]) == len(report["call_log"]) - 1
 
 
 # --- prediction bands ---------------------------------------------------------------------------
