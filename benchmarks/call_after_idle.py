@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from calibration.grid import Shape
-from calibration.profiler import ShapePool, make_runner
-from engine.core.config import ModelConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, not an installed copy
+
+from calibration.grid import Shape  # noqa: E402
+from calibration.profiler import ShapePool, make_runner  # noqa: E402
+from engine.core.config import ModelConfig  # noqa: E402
 
 SHAPES = {"decode B=1 @64": Shape("decode", decode_contexts=(64,)),
           "decode B=4 @64": Shape("decode", decode_contexts=(64,) * 4),

@@ -15,14 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
-from calibration.cost_model import CostModel
-from engine.core.config import SchedulerConfig
-from engine.core.request import Request
-from engine.core.plan import BatchPlan
-from sim.executors import CostModelExecutor
-from sim.simulator import simulate
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, not an installed copy
+
+from calibration.cost_model import CostModel  # noqa: E402
+from engine.core.config import SchedulerConfig  # noqa: E402
+from engine.core.request import Request  # noqa: E402
+from engine.core.plan import BatchPlan  # noqa: E402
+from sim.executors import CostModelExecutor  # noqa: E402
+from sim.simulator import simulate  # noqa: E402
 
 
 def med(xs) -> float:
