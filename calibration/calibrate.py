@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -14,8 +14,10 @@ from calibration.fit import Errors, fit_nnls, split_heldout
 from calibration.physical import Machine as PhysicalMachine, PhysicalCostModel, PhysicalShape, physical_features
 from calibration.grid import GRID_SPECS, build_grid
 from calibration.kv_copy import measure_kv_copy
-from calibration.profiler import Measurement, ShapePool, make_runner, measure_engine_runs, measure_shapes, threads_of
-from calibration.roofline import MemoryStamp, ModelShape, measure_machine, roofline_s
+from calibration.noise import noise_report
+from calibration.profiler import (IDLE_SHAPES, Measurement, Robustness, ShapePool, make_runner, measure_after_idle,
+                                  measure_engine_runs, measure_shapes, threads_of)
+from calibration.roofline import MemoryStamp, ModelShape, measure_machine, memory_read_gb_s, roofline_s
 from engine.core.config import ModelConfig
 from engine.core.model_shape import model_shape
 from engine.model.device import describe, device_has_bf16 as bf16_native, resolve
@@ -31,6 +33,7 @@ class CalibrationConfig:
     overhead_runs: int = 2  # engine runs timed for the step overhead; their calls join the fit
     seed: int = 0
     progress: bool = True
+    robust: Robustness = field(default_factory=Robustness)
 
     def __post_init__(self) -> None:
         if self.grid not in GRID_SPECS:
@@ -54,7 +57,7 @@ class Calibration:
 def fit_cost_model(measurements: list[Measurement], heldout: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Coefficients fitted on the rows not held out, and every row's prediction."""
     X = np.asarray([plan_features(m.plan) for m in measurements])
-    y = np.asarray([m.median_s for m in measurements])
+    y = np.asarray([m.typical_s for m in measurements])
     coef = fit_nnls(X[~heldout], y[~heldout])
     return coef, X @ coef
 
@@ -122,7 +125,7 @@ def plan_from_record(record: dict):
 
 def error_table(measurements: list[Measurement], predicted: np.ndarray, baseline: np.ndarray,
                 heldout: np.ndarray) -> dict:
-    y = np.asarray([m.median_s for m in measurements])
+    y = np.asarray([m.typical_s for m in measurements])
     kinds = np.asarray([m.shape.kind for m in measurements])
     out = {"train": Errors.of(predicted[~heldout], y[~heldout]).to_dict(),
            "heldout": Errors.of(predicted[heldout], y[heldout]).to_dict(),
@@ -148,8 +151,10 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     runner = make_runner(model_config, slots, max_len)
     pool = ShapePool(runner, slots, max_len, seed=cfg.seed)
     with MemoryStamp() as memory:
-        measurements, retried = measure_shapes(pool, shapes, cfg.repeats or spec.repeats, cfg.warmup, cfg.seed,
-                                               cfg.progress)
+        measurements, mlog = measure_shapes(pool, shapes, cfg.repeats or spec.repeats, cfg.warmup, cfg.seed,
+                                            cfg.progress, cfg.robust, memory_read_gb_s)
+        after_idle = measure_after_idle(pool, [s for s in IDLE_SHAPES if s.max_len <= max_len
+                                                and s.num_requests <= slots])
         pool.release()
         overhead, engine_calls = measure_engine_runs(runner, min(8, slots), cfg.overhead_runs)
         copy = measure_kv_copy(runner)
@@ -161,7 +166,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     coef, predicted = fit_cost_model(measurements, heldout)
     baseline = np.asarray([roofline_s(m.plan, mshape, machine) for m in measurements])
     fit = error_table(measurements, predicted, baseline, heldout)
-    y = np.asarray([m.median_s for m in measurements])
+    y = np.asarray([m.typical_s for m in measurements])
     fit["measured_over_roofline_median"] = float(np.median(y / baseline))
     pshape = PhysicalShape.of(model_shape(model_config), model_config.dtype)
     pmachine = PhysicalMachine(memory.gb_s, machine.matmul_flops_s / 1e9)
@@ -183,15 +188,19 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
         "preferred": preferred_model(fit, physical_fit),  # what this model's own simulations use
         "step_overhead": overhead.to_dict(),
         "kv_copy": copy.to_dict(),
+        "after_idle": after_idle,  # CostModel.after_idle_s
         "roofline": {"machine": machine.to_dict(), "heldout": fit["roofline_heldout"]},
         "memory_read_gb_s": {"before": memory.before, "after": memory.after},  # CostModel.memory_read_gb_s
         "grid": {"name": cfg.grid, "spec": asdict(spec), "calls": len(shapes), "engine_calls": len(engine_calls),
                  "repeats": cfg.repeats or spec.repeats, "warmup": cfg.warmup, "wall_s": wall,
-                 "contended_retries": retried},
+                 "robust": asdict(cfg.robust), **mlog.to_dict()},
+        "noise": noise_report([m.times_s for m in measurements], y, predicted, [m.shape.kind for m in measurements],
+                              cfg.repeats or spec.repeats, [m.contended for m in measurements]),
         "measurements": [{"shape": m.shape.name, "kind": m.shape.kind, "tokens": m.plan.total_tokens,
                           "requests": m.plan.num_requests, "samples": m.plan.num_samples,
                           "plan": plan_record(m.plan),
-                          "median_s": m.median_s, "spread": m.spread, "times_s": list(m.times_s),
+                          "median_s": m.median_s, "typical_s": m.typical_s, "spread": m.spread, "times_s": list(m.times_s),
+                          "contended": list(m.contended),
                           "predicted_s": float(p), "physical_s": float(q), "roofline_s": float(b),
                           "heldout": bool(h)}
                          for m, p, q, b, h in zip(measurements, predicted, physical_predicted, baseline, heldout)],

@@ -112,6 +112,22 @@ def other_device_warning(measured_on: dict, run_on: dict) -> str | None:
             f"times will differ; calibrate on this device for a like-for-like comparison")
 
 
+def before_call_s(info: dict, step_overhead_s: float) -> float:
+    """The part of ``step_overhead_s`` a real step spends before its model call (scheduling,
+    packing): its tokens come out that much after the step starts, plus the call. 0 for profiles
+    from before it was measured. (Either cost model's, from the profile's info.)"""
+    part = info.get("step_overhead", {}).get("before_call_median_s", 0.0)
+    return min(max(part, 0.0), step_overhead_s)
+
+
+def after_idle_s(info: dict) -> tuple[float, float]:
+    """(idle seconds, extra seconds): a call that starts after the engine sat idle at least that
+    long takes that much longer than predicted (calibration.profiler.measure_after_idle). (inf, 0)
+    for profiles from before it was measured."""
+    part = info.get("after_idle")
+    return (part["idle_s"], part["extra_s"]) if part else (float("inf"), 0.0)
+
+
 class ProfileMismatchError(ValueError):
     """A calibration profile measured for another model, dtype or feature set."""
 
@@ -178,6 +194,14 @@ class CostModel:
         a profile from before stamps: decode cost moves with it on a shared machine."""
         stamp = self.info.get("memory_read_gb_s")
         return (stamp["before"] + stamp["after"]) / 2 if stamp else None
+
+    @property
+    def before_call_s(self) -> float:
+        return before_call_s(self.info, self.step_overhead_s)
+
+    @property
+    def after_idle_s(self) -> tuple[float, float]:
+        return after_idle_s(self.info)
 
     def to_dict(self) -> dict:
         return {"feature_names": list(self.feature_names), "coefficients": list(self.coefficients),

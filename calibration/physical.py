@@ -29,7 +29,7 @@ from pathlib import Path
 
 from engine.core.plan import BatchPlan
 
-from calibration.cost_model import TOKEN_KNOTS, CostModel, ProfileMismatchError
+from calibration.cost_model import TOKEN_KNOTS, CostModel, ProfileMismatchError, after_idle_s, before_call_s
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ROW_KNOTS: tuple[int, ...] = TOKEN_KNOTS  # sampled rows (SAMPLE_KNOTS) fall on these knots too
@@ -179,6 +179,14 @@ class PhysicalCostModel:
             row = physical_row(num_decodes, 0, (), num_decodes, self.shape, self.machine)
             fixed = self._decode_fixed[num_decodes] = sum(c * x for c, x in zip(self.coefficients, row))
         return fixed, per_context
+
+    @property
+    def before_call_s(self) -> float:
+        return before_call_s(self.info, self.step_overhead_s)
+
+    @property
+    def after_idle_s(self) -> tuple[float, float]:
+        return after_idle_s(self.info)
 
     @property
     def memory_read_gb_s(self) -> float:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -36,15 +37,39 @@ class Measurement:
     shape: Shape
     plan: BatchPlan
     times_s: tuple[float, ...]
+    contended: tuple[bool, ...] = ()  # per time: still contended after its retries
 
     @property
     def median_s(self) -> float:
         return statistics.median(self.times_s)
 
     @property
+    def clean_times_s(self) -> tuple[float, ...]:
+        """The times no other process disturbed, or all of them when none was undisturbed."""
+        clean = tuple(t for t, c in zip(self.times_s, self.contended) if not c)
+        return clean or self.times_s
+
+    @property
+    def typical_s(self) -> float:
+        """The interquartile mean of the undisturbed repeats (the median for three or fewer):
+        what the fit uses. A slow spell hits a few repeats of a shape, not all, so the tails and
+        the calls others disturbed are left out."""
+        return trimmed_mean(self.clean_times_s)
+
+    @property
     def spread(self) -> float:
         """(max − min) / median of the repeats: how noisy this shape was."""
         return (max(self.times_s) - min(self.times_s)) / self.median_s
+
+
+def trimmed_mean(values: Sequence[float], cut: float = 0.25) -> float:
+    """Mean of what is left after dropping the lowest and highest ``cut`` share (at least the
+    median is kept)."""
+    xs = sorted(values)
+    k = int(len(xs) * cut)
+    if len(xs) - 2 * k < 1 or len(xs) <= 3:
+        return statistics.median(xs)
+    return statistics.fmean(xs[k:len(xs) - k])
 
 
 class ShapePool:
@@ -78,37 +103,150 @@ def make_runner(model_config: ModelConfig, num_slots: int, max_len: int) -> Mode
     return ModelRunner(model_config, SchedulerConfig(max_num_seqs=num_slots, max_model_len=max_len + 2))
 
 
-def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int, warmup: int = 1, seed: int = 0,
-                   progress: bool = True, max_retries: int = 3) -> tuple[list[Measurement], int]:
-    """Warm-up passes, then ``repeats`` rounds over all shapes in a fresh random order each round,
-    so slow spells on a shared machine spread over shapes instead of landing on one.
+@dataclass(frozen=True)
+class Robustness:
+    """How a calibration fights a noisy machine (calibration.calibrate.CalibrationConfig carries it)."""
 
-    A call during which other processes used the CPU is measured again (up to ``max_retries``).
-    Returns the measurements and how many calls were retried. The progress bar shows on a terminal
-    only (a log file gets no carriage-return updates), then one summary line is logged.
+    max_retries: int = 3  # a call timed while others used the CPU is measured again, up to this often
+    wide_spread: float = 0.10  # shapes whose repeats spread wider than this get extra rounds ...
+    extra_rounds: int = 3  # ... at most this many
+    memory_drift: float = 0.20  # a round whose memory stamp is this far from the usual (median) is measured again
+    stamp_rounds: bool = True  # stamp memory bandwidth between rounds (~0.1 s each)
+    budget_s: float = 200.0  # past this (from the first timed call) no more retries, re-measured or extra rounds
+
+
+@dataclass
+class MeasureLog:
+    """What happened while measuring, for the profile: order, retries, re-measured rounds, stamps."""
+
+    order: list[int] = field(default_factory=list)  # shape index of every timed call, in time order
+    retried: int = 0
+    rounds_remeasured: int = 0
+    extra_rounds: int = 0
+    round_stamps_gb_s: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"contended_retries": self.retried, "rounds_remeasured": self.rounds_remeasured,
+                "extra_rounds": self.extra_rounds, "round_stamps_gb_s": self.round_stamps_gb_s,
+                "measure_wall_s": self.wall_s}
+
+
+def round_order(num_shapes: int, rounds: int, seed: int) -> list[list[int]]:
+    """A fresh random order of the shapes per round: the repeats of one shape are spread across
+    the whole run, and a slow spell lands on many shapes once rather than on one shape thrice."""
+    rng = np.random.default_rng(seed)
+    return [[int(i) for i in rng.permutation(num_shapes)] for _ in range(rounds)]
+
+
+def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int, warmup: int = 1, seed: int = 0,
+                   progress: bool = True, robust: Robustness = Robustness(),
+                   stamp: Callable[[], float] | None = None) -> tuple[list[Measurement], MeasureLog]:
+    """Warm-up passes, then ``repeats`` rounds over all shapes, each in a fresh random order
+    (round_order); then up to ``robust.extra_rounds`` more rounds over the shapes whose repeats
+    still spread wider than ``robust.wide_spread``.
+
+    A call during which other processes used the CPU is measured again (up to
+    ``robust.max_retries``); one still contended then is kept but flagged, and the shape's
+    typical time leaves it out (Measurement.typical_s). With ``stamp``
+    (calibration.roofline.memory_read_gb_s), the memory bandwidth is stamped after each round; a
+    round stamped more than ``robust.memory_drift`` from the median of the stamps before it is
+    measured once more and the spell's times are dropped. Retries, re-measured and extra rounds
+    stop once ``robust.budget_s`` has passed: the base rounds always finish, so a busy machine
+    costs precision, not an unbounded wait. The progress bar shows on a terminal only; then one
+    summary line is logged.
     """
     plans = [s.to_plan(pool.request_ids) for s in shapes]
     times: list[list[float]] = [[] for _ in shapes]
-    rng = np.random.default_rng(seed)
-    retried = 0
+    flags: list[list[bool]] = [[] for _ in shapes]
+    mlog = MeasureLog()
     start = time.perf_counter()
     bar = tqdm(total=len(shapes) * (warmup + repeats), desc="calibrating", unit="call",
                disable=None if progress else True)
-    for r in range(warmup + repeats):
-        for i in rng.permutation(len(shapes)):
+
+    def over_budget() -> bool:
+        return time.perf_counter() - start > robust.budget_s
+
+    def timed(i: int) -> tuple[float, bool]:
+        t, contended = pool.execute(plans[i])
+        for _ in range(robust.max_retries):
+            if not contended or over_budget():
+                break
+            mlog.retried += 1
             t, contended = pool.execute(plans[i])
-            for _ in range(max_retries if r >= warmup else 0):
-                if not contended:
-                    break
-                retried += 1
-                t, contended = pool.execute(plans[i])
-            if r >= warmup:
-                times[i].append(t)
+        mlog.order.append(i)
+        bar.update()
+        return t, contended
+
+    for order in round_order(len(shapes), warmup, seed + 1):
+        for i in order:
+            pool.execute(plans[i])
             bar.update()
+    stamps = [stamp()] if stamp else []
+    for r, order in enumerate(round_order(len(shapes), repeats, seed)):
+        for attempt in range(2):
+            got = {i: timed(i) for i in order}
+            drifted = False
+            if stamp is not None and robust.stamp_rounds:
+                gb_s = stamp()
+                mlog.round_stamps_gb_s.append(gb_s)
+                drifted = abs(gb_s / statistics.median(stamps) - 1) > robust.memory_drift  # against the usual
+                stamps.append(gb_s)
+            if not drifted or attempt == 1 or over_budget():
+                break
+            mlog.rounds_remeasured += 1
+            bar.total += len(order)
+        for i, (t, c) in got.items():
+            times[i].append(t)
+            flags[i].append(c)
+    rng = np.random.default_rng(seed + 2)
+    for _ in range(robust.extra_rounds):
+        if over_budget():
+            break
+        wide = [i for i, t in enumerate(times) if spread(t) > robust.wide_spread]
+        if not wide:
+            break
+        mlog.extra_rounds += 1
+        bar.total += len(wide)
+        for i in rng.permutation(wide):
+            t, c = timed(int(i))
+            times[int(i)].append(t)
+            flags[int(i)].append(c)
     bar.close()
-    log.info(f"measured {len(shapes)} shapes × {warmup} warm-up + {repeats} repeats in "
-             f"{time.perf_counter() - start:.1f} s, {retried} calls measured again (CPU contended)")
-    return [Measurement(s, p, tuple(t)) for s, p, t in zip(shapes, plans, times)], retried
+    mlog.wall_s = time.perf_counter() - start
+    log.info(f"measured {len(shapes)} shapes × {warmup} warm-up + {repeats} repeats in {mlog.wall_s:.1f} s, "
+             f"{mlog.retried} calls measured again (CPU contended), {mlog.rounds_remeasured} rounds again "
+             f"(memory stamp moved), {mlog.extra_rounds} extra rounds for wide shapes")
+    return [Measurement(s, p, tuple(t), tuple(f)) for s, p, t, f in zip(shapes, plans, times, flags)], mlog
+
+
+def spread(times: Sequence[float]) -> float:
+    """(max − min) / median."""
+    return (max(times) - min(times)) / statistics.median(times)
+
+
+def measure_after_idle(pool: ShapePool, shapes: list[Shape], idle_s: float = 0.1, rounds: int = 5,
+                       sleep: Callable[[float], None] = time.sleep) -> dict:
+    """What a model call costs more right after the engine sat idle (``idle_s``, as a serving loop
+    does between arrivals at low load) than the same call back to back: the median over
+    ``shapes`` × ``rounds`` of (after idle − back to back), each pair timed one after the other.
+    The grid times calls back to back, so without this the first call after idle is predicted
+    too fast (calibration.cost_model.CostModel.after_idle)."""
+    plans = [s.to_plan(pool.request_ids) for s in shapes]
+    extra, ratio = [], []
+    for _ in range(rounds):
+        for plan in plans:
+            busy = pool.execute(plan)[0]
+            sleep(idle_s)
+            cold = pool.execute(plan)[0]
+            extra.append(cold - busy)
+            ratio.append(cold / busy)
+    return {"idle_s": idle_s, "extra_s": max(0.0, float(np.median(extra))), "ratio_median": float(np.median(ratio)),
+            "pairs": len(extra)}
+
+
+IDLE_SHAPES = (Shape("decode", decode_contexts=(64,)), Shape("prefill", chunks=((16, 0, True),)),
+               Shape("prefill", chunks=((32, 0, True),)), Shape("prefill", chunks=((12, 0, True),) * 4))
 
 
 @dataclass(frozen=True)
@@ -120,9 +258,11 @@ class OverheadSummary:
     p90_s: float
     steps: int
     share_of_busy: float  # Σ overhead / Σ model time
+    before_call_median_s: float = 0.0  # the part spent between a step's start and its model call
+    samples_s: tuple[float, ...] = ()  # every step's overhead (prediction bands draw from them)
 
     def to_dict(self) -> dict:
-        return self.__dict__.copy()
+        return {**self.__dict__, "samples_s": list(self.samples_s)}
 
 
 def step_overheads(steps) -> list[float]:
@@ -146,6 +286,7 @@ def measure_engine_runs(runner: ModelRunner, max_num_seqs: int,
     workload = WorkloadConfig(num_requests=2 * max_num_seqs, prompt=LengthDist("uniform", low=4, high=40),
                               output=LengthDist("uniform", low=2, high=10), seed=7)
     overheads: list[float] = []
+    before: list[float] = []
     calls: list[Measurement] = []
     busy = 0.0
     for k in range(runs + 1):  # the first run is a warm-up
@@ -154,11 +295,12 @@ def measure_engine_runs(runner: ModelRunner, max_num_seqs: int,
         engine.reset()
         if k:
             overheads += step_overheads(result.steps)
+            before += [st.end_s - st.start_s - st.model_s for st in result.steps]
             busy += sum(s.model_s for s in result.steps)
             calls += [Measurement(Shape.of_plan(s.plan, "engine"), s.plan, (s.model_s,)) for s in result.steps]
     arr = np.asarray(overheads)
     summary = OverheadSummary(float(np.median(arr)), float(arr.mean()), float(np.percentile(arr, 90)), len(arr),
-                              float(arr.sum() / busy))
+                              float(arr.sum() / busy), float(np.median(before)), tuple(float(x) for x in arr))
     return summary, calls
 
 

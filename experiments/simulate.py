@@ -6,7 +6,8 @@
 Writes OUT/metrics.json and OUT/requests.csv with the same keys as real runs, results.json
 (``vllm bench serve --save-result``'s keys; ``goodput='ttft:500 tpot:50'`` as vLLM's ``--goodput``),
 trace.json (the engine's labels), timeseries.csv and sim.json; with ``capacity.enabled=true`` also
-capacity.json.
+capacity.json; with ``bands.replicates=N`` metrics.json's ``bands``: each metric's 5th/50th/95th
+percentile over N runs drawn from the profile's measured noise.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from engine.core.config import ModelConfig, SchedulerConfig
 from engine.observe.results import Goodput, write_results_json
 from engine.observe.workload import WorkloadConfig
 from experiments.schema import register, to_object
+from engine.observe.metrics import write_metrics_json
+from sim import workload_requests
+from sim.bands import bands, replicates
 from sim.run import SimOptions, find_capacity, load_cost_model, run_workload, write_outputs
 
 
@@ -58,6 +62,16 @@ class CapacitySearch:
 
 
 @dataclass
+class Bands:
+    """``replicates=N``: N more runs with call times drawn from the profile's measured noise
+    (seeds ``seed``..``seed+N-1``); metrics.json gains ``bands``: each metric's 5th/50th/95th
+    percentile over them."""
+
+    replicates: int = 0
+    seed: int = 0
+
+
+@dataclass
 class SimulateApp:
     model: ModelConfig = field(default_factory=ModelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -70,6 +84,7 @@ class SimulateApp:
     trace: bool = True
     timeseries: bool = True
     capacity: CapacitySearch = field(default_factory=CapacitySearch)
+    bands: Bands = field(default_factory=lambda: Bands())
 
 
 register("simulate_schema", SimulateApp)
@@ -85,6 +100,13 @@ def run_app(app: SimulateApp, out_dir: Path) -> dict:
     metrics = write_outputs(result, out_dir, app.scheduler.max_num_seqs, goodput, cost)
     write_results_json(out_dir / "results.json", metrics, backend="miniserve-sim", label=app.scheduler.name,
                        model_id=app.model.path or app.model.name, workload=app.workload, goodput=goodput)
+    if app.bands.replicates > 0:
+        runs = replicates(lambda: workload_requests(app.workload)[0], app.scheduler, cost, app.bands.replicates,
+                          app.bands.seed, concurrency=workload_requests(app.workload)[1],
+                          num_replicas=app.replicas, router=app.router)
+        metrics = {**metrics, "bands": {"replicates": app.bands.replicates, "seed": app.bands.seed,
+                                        **bands([r.log.summarize(r.duration_s, **goodput.seconds()) for r in runs])}}
+        write_metrics_json(metrics, out_dir / "metrics.json")
     if app.capacity.enabled:
         cap = app.capacity
         found = find_capacity(cost, app.scheduler, app.workload, cap.low, cap.high, cap.slo_ttft_p99_s,
@@ -109,6 +131,9 @@ def main(cfg) -> None:
           f"TTFT p99 {metrics['ttft_s']['p99']:.4f} s, TPOT p99 {metrics['tpot_s']['p99']:.4f} s")
     if "capacity_req_s" in metrics:
         print(f"capacity: {metrics['capacity_req_s']} req/s within the SLOs")
+    for name, b in metrics.get("bands", {}).items():
+        if isinstance(b, dict):
+            print(f"  {name:18s} band p5 {b['p5']:.4g}  p50 {b['p50']:.4g}  p95 {b['p95']:.4g}")
     print(f"wrote {out_dir / 'metrics.json'}")
 
 

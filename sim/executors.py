@@ -9,6 +9,8 @@ request ids (a replay compares them), so the decodes a plan carries together sta
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
@@ -38,22 +40,31 @@ class SimExecutor(Protocol):
     def free(self, request_ids: Iterable[str]) -> None:
         """Nothing is held in simulation."""
 
-    def decode_costs(self, num_decodes: int) -> tuple[float, float, float] | None:
-        """(seconds, seconds per context token, overhead after the call) of a step that decodes
-        ``num_decodes`` requests together and nothing else, when that is linear in the context:
-        the simulator then runs repeated such steps without a plan each
-        (EngineCore.repeat_decodes). None when this executor must see each plan."""
+    def rest(self, idle_s: float) -> None:
+        """The engine has sat idle ``idle_s`` so far (nothing to run); the next call may cost more."""
+
+    def decode_costs(self, num_decodes: int) -> tuple[float, float, float, float] | None:
+        """(seconds before the call, the call's seconds, its seconds per context token, seconds
+        after it) of a step that decodes ``num_decodes`` requests together and nothing else, when
+        that is linear in the context: the simulator then runs repeated such steps without a
+        plan each (EngineCore.repeat_decodes), in the same arithmetic as ``execute``. None when
+        this executor must see each plan."""
 
 
 class CostModelExecutor:
-    """The model call takes ``predict(plan)``; then ``step_overhead_s`` passes outside the call
-    (sampling, bookkeeping, scheduling the next step) before the next step can start."""
+    """A step spends ``before_call_s`` (scheduling, packing) before its model call, as the real
+    loop does; the call takes ``predict(plan)`` (plus the profile's ``after_idle_s`` extra when the
+    engine sat idle before it) and its tokens come out at its end; the rest of
+    ``step_overhead_s`` (sampling bookkeeping, the loop) passes before the next step can start."""
 
     def __init__(self, cost_model: CostModel) -> None:
         self.cost_model = cost_model
         self._predict = cost_model.predict
         self._predict_decodes = cost_model.predict_decodes
-        self._overhead = cost_model.step_overhead_s
+        self._before = cost_model.before_call_s
+        self._after = cost_model.step_overhead_s - self._before
+        self._idle_after_s, self._idle_extra_s = cost_model.after_idle_s
+        self._idle_s = 0.0
 
     def start(self, now: float) -> float:
         return now
@@ -61,16 +72,46 @@ class CostModelExecutor:
     def free(self, request_ids: Iterable[str]) -> None:
         pass
 
-    def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:
-        if plan.ids:
-            duration = self._predict(plan)
-        else:  # decodes together, counted: most steps
-            duration = self._predict_decodes(plan.lane_size, plan.lane_context_sum)
-        end = start_s + duration
-        return StepResult(None, duration, end, end + self._overhead)
+    def rest(self, idle_s: float) -> None:
+        self._idle_s = idle_s
 
-    def decode_costs(self, num_decodes: int) -> tuple[float, float, float]:
-        return (*self.cost_model.decode_cost_terms(num_decodes), self._overhead)
+    def call_s(self, plan: BatchPlan) -> float:
+        """The model call's duration."""
+        if plan.ids:
+            return self._predict(plan)
+        return self._predict_decodes(plan.lane_size, plan.lane_context_sum)  # decodes together, counted
+
+    def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:
+        duration = self.call_s(plan)
+        if self._idle_s:  # the first call after the engine sat idle (threads asleep, caches cold)
+            duration += self._idle_extra_s if self._idle_s >= self._idle_after_s else 0.0
+            self._idle_s = 0.0
+        end = start_s + self._before + duration
+        return StepResult(None, duration, end, end + self._after)
+
+    def decode_costs(self, num_decodes: int) -> tuple[float, float, float, float] | None:
+        return (self._before, *self.cost_model.decode_cost_terms(num_decodes), self._after)
+
+
+class NoisyExecutor(CostModelExecutor):
+    """The cost model with the profile's measured noise (calibration.noise): one replicate of a
+    run draws one machine-wide factor (a calibration round's, as a real run sits in one spell)
+    and every call a residual of the profile's own calls, seeded. Each step is drawn, so the
+    simulator never runs repeated steps at once (``decode_costs`` is None)."""
+
+    def __init__(self, cost_model: CostModel, seed: int) -> None:
+        super().__init__(cost_model)
+        noise = cost_model.info.get("noise") or {}
+        self._calls = noise.get("call_log") or [0.0]
+        rounds = noise.get("round_log") or [0.0]
+        self._rng = random.Random(seed)
+        self.run_factor = math.exp(self._rng.choice(rounds))
+
+    def call_s(self, plan: BatchPlan) -> float:
+        return super().call_s(plan) * self.run_factor * math.exp(self._rng.choice(self._calls))
+
+    def decode_costs(self, num_decodes: int) -> None:
+        return None
 
 
 class ReplayDivergedError(RuntimeError):
@@ -90,6 +131,9 @@ class ReplayExecutor:
 
     def free(self, request_ids: Iterable[str]) -> None:
         pass
+
+    def rest(self, idle_s: float) -> None:
+        pass  # the recorded durations have it already
 
     def start(self, now: float) -> float:
         if self.index >= len(self.steps):  # the run is over (or about to diverge, which execute() reports)
@@ -122,9 +166,12 @@ class ConstantExecutor:
     def free(self, request_ids: Iterable[str]) -> None:
         pass
 
+    def rest(self, idle_s: float) -> None:
+        pass
+
     def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:
         end = start_s + self.call_s
         return StepResult(None, self.call_s, end, end + self.overhead_s)
 
-    def decode_costs(self, num_decodes: int) -> tuple[float, float, float]:
-        return self.call_s, 0.0, self.overhead_s
+    def decode_costs(self, num_decodes: int) -> tuple[float, float, float, float]:
+        return 0.0, self.call_s, 0.0, self.overhead_s

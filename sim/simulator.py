@@ -136,14 +136,20 @@ class Replica:
         # repeated decodes-only steps run at once (EngineCore.repeat_decodes) unless each step is kept
         repeat = steps is None and series is None and self.repeat
         check = sim.check
+        rest = executor.rest
+        idle_from: float | None = None  # since when nothing could run
         now = env.now
         while True:
             start = executor.start(now)
             if start > now:
                 yield timeout(start - env.now)
                 now = start
+            if idle_from is not None:
+                rest(now - idle_from)
             launched = launch(now, executor)
             if launched is None:
+                if idle_from is None:
+                    idle_from = now
                 if arrivals:  # delivered, not yet arrived (or a rounding hair ahead of now)
                     later = arrivals.next_arrival_s
                     yield timeout(later - env.now)
@@ -156,6 +162,7 @@ class Replica:
                     now = max(now, env.now)
                 continue
             plan, result = launched
+            idle_from = None
             end, ready = result.end_s, result.ready_s
             if steps is not None:
                 steps.append(StepRecord(plan.materialize(), now, end, end - now, self.index))

@@ -2,6 +2,7 @@
 rate, replicas and routers, closed loop, compact records, capacity search."""
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -68,6 +69,34 @@ def test_idle_engine_waits_for_the_arrival_and_cost_model_adds_overhead_between_
     assert m["ttft_s"]["mean"] == pytest.approx(0.2)
     assert m["tpot_s"]["mean"] == pytest.approx(0.15)
     assert m["e2el_s"]["mean"] == pytest.approx(0.8)
+
+
+
+def test_the_overhead_before_the_call_delays_the_tokens_as_in_the_real_loop():
+    # of the 0.05 s outside the call, 0.02 s is spent before it (scheduling, packing): the real
+    # loop stamps a step's start before scheduling and its tokens after the call
+    cost = cost_model_from(step_overhead_s=0.05, const=0.1, prefill_tokens=0.01)
+    cost = replace(cost, info={"step_overhead": {"before_call_median_s": 0.02}})
+    assert cost.before_call_s == 0.02
+    sim = simulate(one_request(arrival_s=2.0), SchedulerConfig(name="continuous"), lambda: CostModelExecutor(cost))
+    (rec,) = sim.records
+    # each step: 0.02 before, the call, 0.03 after; step to step still 0.05 + call
+    assert rec.token_times_s == pytest.approx((2.22, 2.37, 2.52, 2.67, 2.82), abs=1e-12)
+    assert sim.metrics()["ttft_s"]["mean"] == pytest.approx(0.22)
+
+
+
+def test_the_first_call_after_the_engine_sat_idle_costs_the_profiles_extra():
+    # a call after >= 0.1 s of idle takes 0.03 s more (calibration.profiler.measure_after_idle)
+    cost = cost_model_from(const=0.1)
+    cost = replace(cost, info={"after_idle": {"idle_s": 0.1, "extra_s": 0.03}})
+    requests = [Request("a", range(4), 2, arrival_s=1.0), Request("b", range(4), 2, arrival_s=1.25),
+                Request("c", range(4), 2, arrival_s=1.40)]
+    sim = simulate(requests, SchedulerConfig(name="serial"), lambda: CostModelExecutor(cost))
+    a, b, c = sim.records
+    assert a.token_times_s == pytest.approx((1.13, 1.23))  # idle 1 s before: 0.13, then 0.1 back to back
+    assert b.token_times_s == pytest.approx((1.35, 1.45))  # idle 0.02 s (1.23 → 1.25): no extra
+    assert c.token_times_s == pytest.approx((1.55, 1.65))  # arrived while b ran: never idle
 
 
 SCHEDULERS = st.sampled_from([

@@ -114,3 +114,20 @@ def test_capacity_search_from_the_app(tmp_path):
     ok = [p for p in found["probes"] if p["ok"]]
     assert all(p["ttft_p99_s"] <= 0.05 for p in ok) and max(p["rate"] for p in ok) == found["max_rate_req_s"]
     assert not (tmp_path / "out" / "trace.json").exists()
+
+
+def test_bands_from_the_profiles_noise_land_in_metrics_json(tmp_path):
+    path = Path(tiny_profile(tmp_path / "profile.json"))
+    data = json.loads(path.read_text())
+    data["noise"] = {"round_log": [-0.1, 0.0, 0.1], "call_log": [-0.05, 0.0, 0.05]}
+    path.write_text(json.dumps(data))
+    args = ["model=tiny", f"calibration.profile={path}", "workload.num_requests=30", "workload.rate=50",
+            "bands.replicates=8", "goodput=ttft:100 tpot:5 e2el:900"]
+    metrics = run_app(composed(*args), tmp_path / "a")
+    again = run_app(composed(*args), tmp_path / "b")
+    bands = metrics["bands"]
+    assert bands["replicates"] == 8 and bands == again["bands"]  # seeded: the same bands again
+    for name in ("output_throughput", "ttft_p50", "tpot_p99", "e2e_p99"):
+        assert bands[name]["p5"] <= bands[name]["p50"] <= bands[name]["p95"]
+    assert bands["e2e_p50"]["p95"] > bands["e2e_p50"]["p5"]  # the noise moves the metric
+    assert json.loads((tmp_path / "a" / "metrics.json").read_text())["bands"] == bands

@@ -133,12 +133,12 @@ class EngineCore:
         arrives first or blocks run short."""
         return self._steady
 
-    def repeat_decodes(self, start_s: float, costs: tuple[float, float, float], until_s: float,
+    def repeat_decodes(self, start_s: float, costs: tuple[float, float, float, float], until_s: float,
                        on_gaps: Callable[[list[float], int], None] | None = None
                        ) -> tuple[int, float, float, list[Request]]:
         """While ``steady``: the repeated steps from ``start_s`` run at once, without a plan each
-        — a simulator's shortcut when a decodes-only step costs ``costs = (seconds, seconds per
-        context token, overhead)``. Stops before a step that starts at or after the next arrival,
+        — a simulator's shortcut when a decodes-only step costs ``costs = (seconds before the
+        call, the call's seconds, its seconds per context token, seconds after it)``. Stops before a step that starts at or after the next arrival,
         ends after ``until_s`` (another event) or lacks blocks, and after one in which requests
         finish. Returns (steps, last end, last ready, finished). Token times and blocks are those
         of running each step through ``launch`` and ``land``."""

@@ -166,10 +166,10 @@ class DecodeLane:
         done = self._finish_at.get(self.clock)
         return sorted(done, key=BY_ADMISSION) if done else []
 
-    def run_ends(self, start_s: float, step_s: float, per_context_s: float, overhead_s: float,
+    def run_ends(self, start_s: float, before_s: float, step_s: float, per_context_s: float, overhead_s: float,
                  arrival_s: float, until_s: float, grant: Callable[[list[Request]], bool]) -> list[float]:
         """End times of the steps that decode every member from ``start_s`` on, each taking
-        ``step_s + per_context_s × Σ context`` then ``overhead_s``: those that start before
+        ``before_s``, a call of ``step_s + per_context_s × Σ context``, then ``overhead_s``: those that start before
         ``arrival_s``, are over before ``until_s``, whose block needs ``grant`` meets, up to the
         first in which a member finishes. Blocks granted are filed as got_block would; nothing
         else changes until ``advance_many(ends)``."""
@@ -182,7 +182,7 @@ class DecodeLane:
         for j in range(self.steps_to_finish()):
             if start >= arrival_s:
                 break
-            end = start + (step_s + per_context_s * (context + j * n))
+            end = start + before_s + (step_s + per_context_s * (context + j * n))
             ready = end + overhead_s
             if ready >= until_s:
                 break

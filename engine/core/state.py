@@ -121,12 +121,12 @@ class ServingState:
             lane.got_block()
         return len(lane.members), lane.context_sum(), lane.part_reader()
 
-    def repeat_decodes(self, start_s: float, step_s: float, per_context_s: float, overhead_s: float,
+    def repeat_decodes(self, start_s: float, before_s: float, step_s: float, per_context_s: float, overhead_s: float,
                        arrival_s: float, until_s: float, on_gaps: Callable[[list[float], int], None] | None
                        ) -> tuple[int, float, float, list[Request]]:
         """Run, at once, the decodes-together steps that would follow one another unchanged (a
-        simulator's shortcut, see EngineCore.repeat_decodes): each takes ``step_s + per_context_s
-        × Σ context`` and then ``overhead_s``. A step runs if it starts before ``arrival_s``, is
+        simulator's shortcut, see EngineCore.repeat_decodes): each takes ``before_s``, then a call
+        of ``step_s + per_context_s × Σ context``, then ``overhead_s``. A step runs if it starts before ``arrival_s``, is
         over before ``until_s`` and gets its blocks; the run ends with the first step in which
         requests finish. Returns (steps, last end, last ready, finished); ``on_gaps(gaps, count)``
         hears each step's uniform gaps (``count`` requests each). The same arithmetic, in the same
@@ -135,7 +135,7 @@ class ServingState:
         n = len(lane.members)
         if not n:
             return 0, start_s, start_s, []
-        ends = lane.run_ends(start_s, step_s, per_context_s, overhead_s, arrival_s, until_s,
+        ends = lane.run_ends(start_s, before_s, step_s, per_context_s, overhead_s, arrival_s, until_s,
                              lambda needing: kv.add_block_each([r.request_id for r in needing]))
         if not ends:
             return 0, start_s, start_s, []

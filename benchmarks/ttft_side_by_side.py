@@ -1,0 +1,84 @@
+"""Where real and simulated TTFT part: a validation's real runs beside the simulator's, step by step.
+
+    python benchmarks/ttft_side_by_side.py VALIDATION_DIR PROFILE [--rows poisson@0.3]
+
+Reads VALIDATION_DIR/real_runs.json (experiments.validate keeps each real run's steps and first
+tokens), re-simulates each row's requests with PROFILE and prints per row, real vs simulated:
+TTFT p50; its two parts per request (waiting: arrival → first scheduled; serving: first scheduled →
+first token); the model call of steps that start after the engine sat idle against the calls of
+busy steps (each as measured / predicted); the time outside the call per step, split into before
+the call (step start → call start) and after it (call end → next step start). No model runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, not an installed copy
+
+from calibration.cost_model import CostModel  # noqa: E402
+from engine.core.config import SchedulerConfig  # noqa: E402
+from engine.core.request import Request  # noqa: E402
+from engine.core.plan import BatchPlan  # noqa: E402
+from sim.executors import CostModelExecutor  # noqa: E402
+from sim.simulator import simulate  # noqa: E402
+
+
+def med(xs) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("validation_dir")
+    ap.add_argument("profile")
+    ap.add_argument("--rows", default="", help="comma list of workload names (default: all)")
+    ap.add_argument("--idle-s", type=float, default=0.005, help="a gap this long before a step counts as idle")
+    args = ap.parse_args()
+    cost = CostModel.load(args.profile)
+    val = json.loads((Path(args.validation_dir) / "real_runs.json").read_text())
+    rows = {}
+    for r in val:
+        rows.setdefault(r["row"], []).append(r)
+    print(f"{'row':28s} {'TTFT p50 real/sim':>18s} {'wait real/sim':>14s} {'serve real/sim':>15s} "
+          f"{'idle call meas/pred':>20s} {'busy call meas/pred':>20s} {'before ms':>10s} {'after ms':>9s}")
+    wanted = set(filter(None, args.rows.split(",")))
+    for i, rr in sorted(rows.items()):
+        meta = rr[0]["meta"]
+        if wanted and meta["workload"] not in wanted:
+            continue
+        config = SchedulerConfig(**meta["scheduler"])
+        reqs = [Request(rid, range(p), o, arrival_s=a) for rid, a, p, o in rr[0]["replay"]]
+        sim = simulate(reqs, config, lambda: CostModelExecutor(cost), keep_steps=True)
+        s_first = {r.request_id: (r.arrival_s, r.first_scheduled_s, r.token_times_s[0]) for r in sim.records}
+        real_ttft, wait, serve, idle_ratio, busy_ratio, before, after = [], [], [], [], [], [], []
+        for run in rr:
+            real_ttft.append(med([t - a for _, a, _, t in run["first_tokens"]]))
+            wait += [f - a for _, a, f, _ in run["first_tokens"]]
+            serve += [t - f for _, _, f, t in run["first_tokens"]]
+            steps = run["steps"]
+            for k, (label, start, end, model, tokens, contexts, samples, nd) in enumerate(steps):
+                plan = BatchPlan.of("replay", [f"q{j}" for j in range(len(tokens))], tokens, contexts, samples, nd)
+                prev_end = steps[k - 1][2] if k else -1.0
+                ratio = model / cost.predict(plan)
+                (idle_ratio if k == 0 or start - prev_end > args.idle_s else busy_ratio).append(ratio)
+                before.append(end - model - start)
+                if k + 1 < len(steps):
+                    after.append(steps[k + 1][1] - end)
+        sim_ttft = med([t - a for a, _, t in s_first.values()])
+        s_wait = med([f - a for a, f, _ in s_first.values()])
+        s_serve = med([t - f for _, f, t in s_first.values()])
+        name = f"{meta['workload']} {config.name} cap={config.max_num_seqs}"
+        print(f"{name:28s} {med(real_ttft):8.3f}/{sim_ttft:<8.3f} {med(wait):6.3f}/{s_wait:<6.3f} "
+              f"{med(serve):7.3f}/{s_serve:<6.3f} {med(idle_ratio):9.2f} (n={len(idle_ratio):3d}) "
+              f"{med(busy_ratio):9.2f} (n={len(busy_ratio):3d}) {1e3 * med(before):9.2f} {1e3 * med(after):8.2f}")
+    print(f"\nprofile: step overhead {1e3 * cost.step_overhead_s:.2f} ms, of it before the call "
+          f"{1e3 * cost.before_call_s:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Predictions a user can trust: robust measurement, the profile's noise, bands, and validation's pass rule."""
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from calibration.grid import Shape
+from calibration.noise import noise_report, round_factors
+from calibration.profiler import Robustness, measure_shapes, round_order, trimmed_mean
+from engine.core.config import SchedulerConfig
+from engine.core.request import Request
+from experiments.validate import Contention, contended, counted, row_passes
+from sim import CostModelExecutor, simulate
+from sim.bands import band, bands, inside, replicates, width
+from sim.executors import NoisyExecutor, cost_model_from
+
+
+# --- calibration on a noisy machine -------------------------------------------------------------
+
+def test_rounds_interleave_shapes_in_a_fresh_order_each():
+    orders = round_order(10, 3, seed=0)
+    assert all(sorted(o) == list(range(10)) for o in orders)  # every shape once per round
+    assert len({tuple(o) for o in orders}) == 3  # and never the same order twice here
+    assert round_order(10, 3, seed=0) == orders  # seeded
+
+
+class FakePool:
+    """Times from a script: shape name → list of (seconds, contended) handed out in call order."""
+
+    request_ids = [f"r{i}" for i in range(4)]
+
+    def __init__(self, script):
+        self.script = {k: list(v) for k, v in script.items()}
+        self.calls = []
+
+    def execute(self, plan):
+        name = next(k for k, s in SHAPES.items() if s.to_plan(self.request_ids) == plan)
+        self.calls.append(name)
+        queue = self.script[name]
+        return queue.pop(0) if len(queue) > 1 else queue[0]
+
+
+SHAPES = {"a": Shape("decode", decode_contexts=(4,)), "b": Shape("decode", decode_contexts=(4, 4)),
+          "c": Shape("prefill", chunks=((8, 0, True),))}
+
+
+def test_measure_retries_contended_calls_and_adds_rounds_only_for_wide_shapes():
+    # a: steady; b: one contended call (re-timed), steady after; c: wide (1.0 vs 2.0) twice over
+    script = {"a": [(1.0, False)], "b": [(1.0, False), (9.0, True), (1.0, False)],
+              "c": [(1.0, False), (2.0, False), (1.0, False), (2.0, False), (1.0, False)]}
+    pool = FakePool(script)
+    shapes = list(SHAPES.values())
+    ms, mlog = measure_shapes(pool, shapes, repeats=2, warmup=0, progress=False,
+                              robust=Robustness(wide_spread=0.1, extra_rounds=2))
+    by = dict(zip(SHAPES, ms))
+    assert by["a"].times_s == (1.0, 1.0) and by["b"].times_s == (1.0, 1.0)  # the contended 9.0 was re-timed
+    assert mlog.retried == 1
+    assert len(by["c"].times_s) == 4 and mlog.extra_rounds == 2  # only c got the extra rounds
+    assert by["c"].typical_s == pytest.approx(1.5)  # interquartile mean of 1, 2, 1, 2
+
+
+def test_a_round_whose_memory_stamp_moved_is_measured_again():
+    pool = FakePool({k: [(1.0, False)] for k in SHAPES})
+    stamps = iter([50.0, 30.0, 50.0, 49.0])  # before, round 0 (-40%: again), round 0 again, round 1
+    ms, mlog = measure_shapes(pool, list(SHAPES.values()), repeats=2, warmup=0, progress=False,
+                              robust=Robustness(extra_rounds=0), stamp=lambda: next(stamps))
+    assert mlog.rounds_remeasured == 1 and mlog.round_stamps_gb_s == [30.0, 50.0, 49.0]
+    assert all(len(m.times_s) == 2 for m in ms)  # the drifted round's times were dropped, not kept
+    assert len(pool.calls) == 3 * len(SHAPES)
+
+
+def test_trimmed_mean_drops_the_tails():
+    assert trimmed_mean([1, 2, 100]) == 2  # three or fewer: the median
+    assert trimmed_mean([1, 2, 3, 4, 100, 0]) == pytest.approx(2.5)  # 0 and 100 dropped
+
+
+def test_noise_report_separates_machine_rounds_from_call_residuals():
+    # two shapes, three rounds; round 1 is 10% slow for both; predictions exact at the typical time
+    times = [(1.0, 1.1, 1.0), (2.0, 2.2, 2.0), (0.5,)]
+    typical, predicted, kinds = [1.0, 2.0, 0.5], [1.0, 2.0, 0.4], ["decode", "prefill", "engine"]
+    assert round_factors(times[:2], typical[:2], 3) == pytest.approx([0.0, math.log(1.1), 0.0])
+    report = noise_report(times, typical, predicted, kinds, rounds=3)
+    # grid calls are exact once their round's factor is taken out; the engine call is 25% over
+    assert sorted(report["call_log"])[:-1] == pytest.approx([0.0] * 6, abs=1e-4)
+    assert report["call_log"][-1] == pytest.approx(math.log(1.25), abs=1e-4)
+    assert report["shape_spread"]["max"] == pytest.approx(0.1)
+    # a call still contended after its retries stays out of the residuals
+    flagged = noise_report(times, typical, predicted, kinds, rounds=3, contended=[(False, False, True), (), ()])
+    assert len(flagged["call_log"]) == len(report["call_log"]) - 1
+
+
+# --- prediction bands ---------------------------------------------------------------------------
+
+def noisy_cost(**noise):
+    cost = cost_model_from(step_overhead_s=0.001, const=0.05, prefill_tokens=0.002, decode_tokens=0.001)
+    return replace(cost, info={"noise": noise})
+
+
+def burst(n=12):
+    return [Request(f"r{i}", range(10 + i), 4 + i % 3, arrival_s=0.1 * i) for i in range(n)]
+
+
+CONFIG = SchedulerConfig(name="continuous", max_num_seqs=4)
+
+
+def test_seeded_replicates_are_reproducible_and_differ_by_seed():
+    cost = noisy_cost(round_log=[-0.1, 0.0, 0.1], call_log=[-0.05, 0.0, 0.05, 0.2])
+    first = [r.metrics()["e2el_s"]["p50"] for r in replicates(burst, CONFIG, cost, 6, seed=3)]
+    again = [r.metrics()["e2el_s"]["p50"] for r in replicates(burst, CONFIG, cost, 6, seed=3)]
+    assert first == again
+    assert len(set(first)) > 1  # the draws move the metric
+
+
+def test_without_noise_a_replicate_is_the_deterministic_simulation():
+    cost = noisy_cost()  # no noise recorded: factor 1 everywhere
+    (rep,) = replicates(burst, CONFIG, cost, 1)
+    plain = simulate(burst(), CONFIG, lambda: CostModelExecutor(cost))
+    assert rep.metrics() == plain.metrics()
+    assert NoisyExecutor(cost, 0).decode_costs(4) is None  # every step drawn on its own
+
+
+def test_band_is_the_5th_50th_95th_percentile_and_coverage_counts_ends():
+    b = band(list(range(101)))
+    assert b == {"p5": 5.0, "p50": 50.0, "p95": 95.0}
+    assert inside(5.0, b) and inside(95.0, b) and not inside(95.01, b) and not inside(4.9, b)
+    assert width(b) == pytest.approx(0.9 * 100 / 50)
+    assert set(bands([{"output_throughput_tok_s": 1.0, "ttft_s": {"p50": 1, "p99": 2}, "tpot_s": {"p50": 1, "p99": 1},
+                       "e2el_s": {"p50": 1, "p99": 1}}])) >= {"output_throughput", "ttft_p50", "e2e_p99"}
+
+
+def test_noise_widens_the_band_around_the_deterministic_run():
+    quiet = noisy_cost(round_log=[0.0], call_log=[0.0])
+    loud = noisy_cost(round_log=[-0.2, 0.2], call_log=[-0.1, 0.1])
+    e2e = lambda runs: band([r.metrics()["e2el_s"]["p50"] for r in runs])  # noqa: E731
+    q, l_ = e2e(replicates(burst, CONFIG, quiet, 20)), e2e(replicates(burst, CONFIG, loud, 20))
+    assert width(q) == 0.0 and width(l_) > 0.2
+    assert inside(q["p50"], l_)
+
+
+# --- validation: the pass rule and contended runs -----------------------------------------------
+
+def test_a_row_passes_within_the_tolerance_or_half_the_real_spread():
+    # real 90, 100, 110: median 100, half spread 10%
+    assert row_passes(108.0, [90.0, 100.0, 110.0], 0.05) == (pytest.approx(0.08), pytest.approx(0.10), True)
+    assert row_passes(112.0, [90.0, 100.0, 110.0], 0.05)[2] is False
+    # tight real runs: the tolerance decides
+    assert row_passes(104.0, [100.0, 100.0, 100.0], 0.05)[2] is True
+    assert row_passes(106.0, [100.0, 100.0, 100.0], 0.05)[2] is False
+
+
+def test_contended_names_each_reason_and_old_profiles_skip_the_memory_check():
+    limits = Contention(others_cores=0.15, memory_drift=0.2)
+    assert contended(0.1, 50.0, 50.0, limits) == ""
+    assert "cores" in contended(0.5, 50.0, 50.0, limits)
+    assert "memory 35 GB/s vs calibration 50" in contended(0.0, 35.0, 50.0, limits)
+    assert contended(0.0, 35.0, math.nan, limits) == ""
+
+
+def test_the_last_attempt_of_each_repeat_counts_and_the_contended_first_stays_out():
+    runs = [{"repeat": 0, "attempt": 0, "contended": True, "x": 1}, {"repeat": 0, "attempt": 1, "contended": False, "x": 2},
+            {"repeat": 1, "attempt": 0, "contended": False, "x": 3}]
+    assert [r["x"] for r in counted(runs)] == [2, 3]
+
+
+def test_past_the_time_budget_only_the_base_rounds_run():
+    script = {"a": [(1.0, True)], "b": [(1.0, False)], "c": [(1.0, False), (2.0, False)]}
+    pool = FakePool(script)
+    ms, mlog = measure_shapes(pool, list(SHAPES.values()), repeats=2, warmup=0, progress=False,
+                              robust=Robustness(budget_s=0.0))
+    assert mlog.retried == 0 and mlog.extra_rounds == 0  # a contended a and a wide c, but no time left
+    assert all(len(m.times_s) == 2 for m in ms) and len(pool.calls) == 6
+
+
+def test_a_call_still_contended_after_its_retries_is_kept_flagged_and_left_out_of_the_typical_time():
+    script = {"a": [(1.0, False), (5.0, True), (5.0, True), (1.2, False)], "b": [(1.0, False)], "c": [(1.0, True)]}
+    pool = FakePool(script)
+    ms, _ = measure_shapes(pool, list(SHAPES.values()), repeats=2, warmup=0, progress=False,
+                           robust=Robustness(max_retries=1, extra_rounds=0))
+    a, _, c = ms
+    assert a.times_s == (1.0, 5.0) and a.contended == (False, True)
+    assert a.typical_s == 1.0  # the disturbed 5.0 is left out
+    assert c.typical_s == 1.0 and all(c.contended)  # nothing undisturbed: all of them count
+
+
+def test_after_idle_is_the_median_extra_of_a_call_after_a_sleep_over_the_same_call_back_to_back():
+    from calibration.profiler import measure_after_idle
+
+    slept = []
+    pool = FakePool({"a": [(1.0, False), (1.2, False)] * 3, "b": [(2.0, False), (2.1, False)] * 3})
+    out = measure_after_idle(pool, [SHAPES["a"], SHAPES["b"]], idle_s=0.1, rounds=3, sleep=slept.append)
+    assert slept == [0.1] * 6 and out["pairs"] == 6
+    assert out["extra_s"] == pytest.approx(0.15)  # median of 0.2 ×3 and 0.1 ×3
+    assert out["idle_s"] == 0.1
