@@ -49,8 +49,9 @@ class PlanBuilder:
         self.decodes: dict[str, int] = {}  # one by one: id -> context
         self.prefills: dict[str, tuple[int, int, bool]] = {}  # id -> (tokens, context, samples)
         self.preempted: list[str] = []
-        self.loads: dict[str, tuple[int, ...]] = {}  # prefix caching: id -> cached blocks it starts from
-        self.saves: dict[str, list[tuple[int, int]]] = {}  # id -> (block index, id) its chunk completes
+        # prefix caching only (built on first use: most steps of most runs have none)
+        self.loads: dict[str, tuple[int, ...]] | None = None  # id -> cached blocks it starts from
+        self.saves: dict[str, list[tuple[int, int]]] | None = None  # id -> (block index, id) its chunk completes
 
     def add_together(self, part: tuple[int, int, LaneIds]) -> None:
         self.together = part
@@ -67,9 +68,13 @@ class PlanBuilder:
         self.budget -= n
         if self.state.kv.caching:
             if loads:
+                if self.loads is None:
+                    self.loads = {}
                 self.loads[request.request_id] = tuple(loads)
             saves = self.state.plan_saves(request, n)
             if saves:
+                if self.saves is None:
+                    self.saves = {}
                 self.saves[request.request_id] = saves
 
     def reserve(self, request: Request, n: int) -> bool:
@@ -97,8 +102,10 @@ class PlanBuilder:
             self.budget += 1
         elif victim.request_id in self.prefills:
             self.budget += self.prefills.pop(victim.request_id)[0]
-            self.loads.pop(victim.request_id, None)
-            self.saves.pop(victim.request_id, None)  # its block ids went back with its blocks
+            if self.loads:
+                self.loads.pop(victim.request_id, None)
+            if self.saves:
+                self.saves.pop(victim.request_id, None)  # its block ids went back with its blocks
         return victim
 
     def build(self, scheduler: str) -> BatchPlan | None:
@@ -121,8 +128,9 @@ class PlanBuilder:
         plan = BatchPlan(scheduler, ids, tokens, contexts, sampled, nd, tuple(self.preempted),
                          lane_size, lane_context_sum, lane_ids)
         if self.loads or self.saves:
-            plan.kv_loads = tuple(self.loads.items())
-            plan.kv_saves = tuple((rid, i, b) for rid, blocks in self.saves.items() for i, b in blocks)
-            copied = sum(len(b) for b in self.loads.values()) + len(plan.kv_saves)
+            loads, saves = self.loads or {}, self.saves or {}
+            plan.kv_loads = tuple(loads.items())
+            plan.kv_saves = tuple((rid, i, b) for rid, blocks in saves.items() for i, b in blocks)
+            copied = sum(len(b) for b in loads.values()) + len(plan.kv_saves)
             plan.kv_copy_tokens = copied * self.state.config.block_size
         return plan
