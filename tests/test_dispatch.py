@@ -60,6 +60,7 @@ def test_a_table_cached_for_another_machine_is_measured_again(tmp_path, monkeypa
     def measure(dtype, table):
         measured.append(dtype)
         table.linear["float32"], table.attention["float32"] = ["onednn"] * len(CLASSES), "kernel"
+        return True  # settled: cached
 
     monkeypatch.setattr(dispatch, "table_path", lambda k: path)
     monkeypatch.setattr(dispatch, "measure", measure)
@@ -87,3 +88,32 @@ def test_forcing_a_candidate(monkeypatch):
     monkeypatch.setenv(dispatch.FORCE_ENV, "linear=cublas")
     with pytest.raises(ValueError, match="linear=gemv|onednn|torch"):
         dispatch.forced("linear", dispatch.LINEAR)
+
+
+def _timings(winner_at_1: str) -> dict[int, dict[str, float]]:
+    """Fake measurements: gemv fastest everywhere except one row, where ``winner_at_1`` is."""
+    out = {r: {"gemv": 1.0 * r, "onednn": 1.2 * r, "torch": 3.0 * r} for r in dispatch.ROW_CLASSES}
+    out[1] = {"gemv": 1.0, "onednn": 1.2, "torch": 3.0, winner_at_1: 0.5}
+    return out
+
+
+def test_choices_are_kept_only_when_two_measurements_agree():
+    calls = iter([_timings("gemv"), _timings("gemv"), _timings("torch")])
+    choices, _, settled = dispatch.agreed_choices(lambda: next(calls))
+    assert settled and choices[0] == "gemv"
+    assert len(list(calls)) == 1  # two agreeing measurements were enough
+    flips = iter([_timings("torch"), _timings("gemv"), _timings("gemv")])  # one disturbed measurement, outvoted
+    choices, _, settled = dispatch.agreed_choices(lambda: next(flips))
+    assert settled and choices[0] == "gemv"
+    noisy = iter([_timings("torch"), _timings("gemv"), _timings("onednn")])  # never the same twice
+    choices, _, settled = dispatch.agreed_choices(lambda: next(noisy))
+    assert not settled and len(choices) == len(dispatch.ROW_CLASSES)
+
+
+def test_an_unsettled_measurement_is_used_but_not_cached(monkeypatch):
+    winners = iter(["torch", "gemv", "onednn"])
+    monkeypatch.setattr(dispatch, "measure_linear", lambda dtype: _timings(next(winners)))
+    table = dispatch.Table(dispatch.machine_key())
+    assert dispatch.measure(torch.float32, table) is False  # table() then does not save it
+    assert len(table.linear["float32"]) == len(dispatch.ROW_CLASSES)
+    assert next(winners, None) is None  # measured three times
