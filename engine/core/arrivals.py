@@ -26,7 +26,7 @@ class ArrivalQueue:
 
     @property
     def next_arrival_s(self) -> float | None:
-        return self._pending[0].arrival_s if self._pending else None
+        return self.next_s if self._pending else None
 
     def _update_next(self) -> None:
         self.next_s = self._pending[0].arrival_s if self._pending else INF

@@ -102,8 +102,7 @@ class EngineCore:
                     else self.scheduler.schedule(state))  # ... unless blocks ran short: the policy decides
         else:
             plan = self.scheduler.schedule(state)
-        if state.released:  # since the last launch, and preempted by this plan (= self.release)
-            executor.free(state.take_released())
+        self.release(executor)  # since the last launch, and preempted by this plan
         if plan is None:
             return None
         return plan, executor.execute(plan, state.requests, now_s)

@@ -154,17 +154,7 @@ class DecodeLane:
     def advance(self, end_s: float) -> list[Request]:
         """Every member got one token at ``end_s``; returns those that reached max_tokens (still
         members: the caller finishes them)."""
-        continuing = len(self.members) - self._num_joined_now
-        self.last_continuing = continuing
-        self.last_gap_s = end_s - self._times[-1] if continuing else 0.0
-        self._num_joined_now = 0
-        self._version += 1
-        self.clock += 1
-        self._times.append(end_s)
-        if len(self._times) >= self._compact_at:
-            self._compact()
-        done = self._finish_at.get(self.clock)
-        return sorted(done, key=BY_ADMISSION) if done else []
+        return self.advance_many([end_s])[0]
 
     def run_ends(self, start_s: float, before_s: float, step_s: float, per_context_s: float, overhead_s: float,
                  arrival_s: float, until_s: float, grant: Callable[[list[Request]], bool]) -> list[float]:
