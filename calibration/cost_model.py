@@ -82,7 +82,8 @@ def plan_quantities(plan: BatchPlan) -> tuple[int, int, int, float, int, int]:
     attention, requests, sampled rows). Read from counts: the decodes a plan carries together are
     never listed."""
     prefill_tokens, prefill_attention = 0, 0.0
-    for n, c in plan.prefill_chunks:
+    d = plan.explicit_decodes
+    for n, c in zip(plan.tokens[d:], plan.contexts[d:]):  # plan.prefill_chunks, without the tuple
         prefill_tokens += n
         prefill_attention += n * (c + n / 2)
     return (prefill_tokens, plan.num_decodes, plan.decode_context_sum, prefill_attention, plan.num_requests,

@@ -136,7 +136,7 @@ class Replica:
         # repeated decodes-only steps run at once (EngineCore.repeat_decodes) unless each step is kept
         repeat = steps is None and series is None and self.repeat
         check = sim.check
-        rest = executor.rest
+        rest, decode_costs = executor.rest, executor.decode_costs
         idle_from: float | None = None  # since when nothing could run
         now = env.now
         while True:
@@ -173,7 +173,8 @@ class Replica:
                 series.active.append(len(running))
                 series.kv_blocks_used.append(kv.num_used)
             on_finish = sim.on_finish  # closed loop: a finish issues requests to any replica
-            unobserved = on_finish is None and peek() > ready  # no event before the next step
+            until_s = peek()
+            unobserved = on_finish is None and until_s > ready  # no event before the next step
             if not unobserved:
                 yield timeout(end - env.now)
             finished = land(plan, result, now)
@@ -191,18 +192,20 @@ class Replica:
                     log.add(request)
                 if on_finish is not None:
                     on_finish(len(finished), end)
-            if unobserved and repeat and core.steady:  # the same step again and again: run them at once
-                costs = executor.decode_costs(state.num_decoding)
-                run = (0,) if costs is None else core.repeat_decodes(ready, costs, peek(), on_gaps)
-                if run[0]:
-                    n, end, ready, finished = run
-                    if check:
-                        state.check_invariants()
-                    self.num_steps += n
-                    self.last_end_s = end
-                    finished_list.clear()
-                    for request in finished:
-                        log.add(request)
+            while unobserved and repeat and core.steady:  # the same step again and again: run them at once
+                n, run_end, run_ready, finished = core.repeat_decodes(ready, decode_costs, until_s, on_gaps)
+                if not n:
+                    break
+                end, ready = run_end, run_ready
+                if check:
+                    state.check_invariants()
+                self.num_steps += n
+                self.last_end_s = end
+                if not finished:
+                    break  # an arrival, another event or blocks short is next
+                finished_list.clear()
+                for request in finished:
+                    log.add(request)
             if ready > end and not unobserved:
                 yield timeout(ready - env.now)
             now = ready

@@ -132,21 +132,27 @@ class EngineCore:
         arrives first or blocks run short."""
         return self._steady
 
-    def repeat_decodes(self, start_s: float, costs: tuple[float, float, float, float], until_s: float,
-                       on_gaps: Callable[[list[float], int], None] | None = None
+    def repeat_decodes(self, start_s: float, decode_costs: Callable[[int], tuple[float, float, float, float] | None],
+                       until_s: float, on_gaps: Callable[[list[float], int], None] | None = None
                        ) -> tuple[int, float, float, list[Request]]:
         """While ``steady``: the repeated steps from ``start_s`` run at once, without a plan each
-        — a simulator's shortcut when a decodes-only step costs ``costs = (seconds before the
-        call, the call's seconds, its seconds per context token, seconds after it)``. Stops before a step that starts at or after the next arrival,
-        ends after ``until_s`` (another event) or lacks blocks, and after one in which requests
-        finish. Returns (steps, last end, last ready, finished). Token times and blocks are those
-        of running each step through ``launch`` and ``land``."""
+        — a simulator's shortcut when a decodes-only step of ``n`` requests costs
+        ``decode_costs(n) = (seconds before the call, the call's seconds, its seconds per context
+        token, seconds after it)`` (None: each step must be planned). Stops before a step that
+        starts at or after the next arrival, ends after ``until_s`` (another event) or lacks
+        blocks, and after one in which requests finish (still ``steady`` then if nothing waits:
+        call again for the rest). Returns (steps, last end, last ready, finished). Token times
+        and blocks are those of running each step through ``launch`` and ``land``."""
+        state = self.state
         if not self._steady:
             return 0, start_s, start_s, []
-        arrival_s = self.arrivals.next_s if not self.state.waiting else INF  # (see launch)
-        steps, end, ready, finished = self.state.repeat_decodes(start_s, *costs, arrival_s, until_s, on_gaps)
+        costs = decode_costs(state.num_decoding)
+        if costs is None:
+            return 0, start_s, start_s, []
+        arrival_s = self.arrivals.next_s if not state.waiting else INF  # (see launch)
+        steps, end, ready, finished = state.repeat_decodes(start_s, *costs, arrival_s, until_s, on_gaps)
         if finished:
-            self._steady = not self.state.waiting
+            self._steady = not state.waiting  # as land() after a step in which requests finish
         return steps, end, ready, finished
 
     def step(self, now_s: float, executor: Executor) -> tuple[StepRecord, list[Request]] | None:

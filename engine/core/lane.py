@@ -12,6 +12,7 @@ finishes, is preempted or aborted, or when a step does not decode every member.
 from __future__ import annotations
 
 from bisect import bisect_left
+from heapq import heappop, heappush
 from collections.abc import Callable
 from operator import attrgetter
 
@@ -35,8 +36,9 @@ class DecodeLane:
         self._times: list[float] = []  # end time of each advance; index = clock - _times_base - 1
         self._times_base = 0
         self._finish_at: dict[int, list[Request]] = {}  # clock at which a member reaches max_tokens
-        self._block_at: dict[int, list[Request]] = {}  # clock at which a member has filled its blocks
-        self._block_due: dict[Request, int] = {}  # the same, by member
+        self._finish_clocks: list[int] = []  # heap of _finish_at's keys (and some since removed)
+        self._block_at: dict[int, list[str]] = {}  # clock at which members (by id) have filled their blocks
+        self._block_due: dict[str, int] = {}  # the same, by member id
         self._compact_at = COMPACT_EVERY
         self._snapshot = -1  # the version the last part_reader described
         self._num_joined_now = 0  # members that joined since the last advance
@@ -62,9 +64,12 @@ class DecodeLane:
         self._offsets.insert(i, request._computed)
         self._offset_sum += request._computed
         self._num_joined_now += 1
-        self._file(self._finish_at, request.max_tokens - request._num_output, request)
-        due = self._block_due[request] = held_blocks * self.block_size - request._computed
-        self._file(self._block_at, due, request)
+        finish = request.max_tokens - request._num_output
+        if finish not in self._finish_at:
+            heappush(self._finish_clocks, finish)
+        self._file(self._finish_at, finish, request)
+        due = self._block_due[request.request_id] = held_blocks * self.block_size - request._computed
+        self._file(self._block_at, due, request.request_id)
         self._version += 1
 
     def leave(self, request: Request) -> None:
@@ -75,7 +80,7 @@ class DecodeLane:
         del self.members[i], self._ids[i], self._offsets[i]
         self._offset_sum -= request._computed
         self._unfile(self._finish_at, request.max_tokens - request._num_output, request)
-        self._unfile(self._block_at, self._block_due.pop(request), request)
+        self._unfile(self._block_at, self._block_due.pop(request.request_id), request.request_id)
         self._write_back(request)
         self._version += 1
 
@@ -89,6 +94,7 @@ class DecodeLane:
             lst.clear()
         self._offset_sum = 0
         self._finish_at.clear()
+        self._finish_clocks.clear()
         self._block_at.clear()
         self._block_due.clear()
         self._num_joined_now = 0
@@ -104,19 +110,19 @@ class DecodeLane:
         request.lane = None
 
     @staticmethod
-    def _file(calendar: dict[int, list[Request]], at: int, request: Request) -> None:
-        calendar.setdefault(at, []).append(request)
+    def _file(calendar: dict[int, list], at: int, member: Request | str) -> None:
+        calendar.setdefault(at, []).append(member)
 
     @staticmethod
-    def _unfile(calendar: dict[int, list[Request]], at: int, request: Request) -> None:
+    def _unfile(calendar: dict[int, list], at: int, member: Request | str) -> None:
         filed = calendar[at]
-        filed.remove(request)
+        filed.remove(member)
         if not filed:
             del calendar[at]
 
     # --- one step -------------------------------------------------------------------------------
-    def needing_block(self) -> list[Request]:
-        """Members whose next token needs one more KV block (their blocks are full)."""
+    def needing_block(self) -> list[str]:
+        """Ids of the members whose next token needs one more KV block (their blocks are full)."""
         return self._block_at.get(self.clock, [])
 
     def got_block(self) -> None:
@@ -125,8 +131,8 @@ class DecodeLane:
         if filed:
             due = self.clock + self.block_size
             self._block_at.setdefault(due, []).extend(filed)
-            for request in filed:
-                self._block_due[request] = due
+            for request_id in filed:
+                self._block_due[request_id] = due
 
     def context_sum(self) -> int:
         """Σ contexts of a step that decodes every member (what decode attention reads)."""
@@ -157,10 +163,11 @@ class DecodeLane:
         return self.advance_many([end_s])[0]
 
     def run_ends(self, start_s: float, before_s: float, step_s: float, per_context_s: float, overhead_s: float,
-                 arrival_s: float, until_s: float, grant: Callable[[list[Request]], bool]) -> list[float]:
+                 arrival_s: float, until_s: float, grant: Callable[[list[str]], bool]) -> list[float]:
         """End times of the steps that decode every member from ``start_s`` on, each taking
         ``before_s``, a call of ``step_s + per_context_s × Σ context``, then ``overhead_s``: those that start before
-        ``arrival_s``, are over before ``until_s``, whose block needs ``grant`` meets, up to the
+        ``arrival_s``, are over before ``until_s``, whose block needs ``grant`` meets (given the
+        ids needing one), up to the
         first in which a member finishes. Blocks granted are filed as got_block would; nothing
         else changes until ``advance_many(ends)``."""
         n = len(self.members)
@@ -183,8 +190,8 @@ class DecodeLane:
                 del block_at[at]
                 due = at + block_size
                 block_at.setdefault(due, []).extend(needing)
-                for request in needing:
-                    block_due[request] = due
+                for request_id in needing:
+                    block_due[request_id] = due
             ends.append(end)
             start = ready
             at += 1
@@ -192,7 +199,10 @@ class DecodeLane:
 
     def steps_to_finish(self) -> int:
         """Steps until the first member reaches max_tokens (the step in which it does counts)."""
-        return min(self._finish_at) - self.clock if self._finish_at else 0
+        clocks, calendar = self._finish_clocks, self._finish_at
+        while clocks and clocks[0] not in calendar:  # left since it was filed
+            heappop(clocks)
+        return clocks[0] - self.clock if clocks else 0
 
     def advance_many(self, ends: list[float]) -> tuple[list[Request], tuple[float, int]]:
         """``advance`` for each end time in turn, at once; no member may finish before the last

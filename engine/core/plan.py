@@ -51,9 +51,9 @@ class BatchPlan:
             if not self.lane_size:
                 raise ValueError("BatchPlan must schedule at least one request")
             return
-        for name in ("ids", "tokens", "contexts", "sampled"):
-            if type(getattr(self, name)) is not tuple:
-                setattr(self, name, tuple(getattr(self, name)))
+        if not (type(self.ids) is type(self.tokens) is type(self.contexts) is type(self.sampled) is tuple):
+            self.ids, self.tokens, self.contexts, self.sampled = (
+                tuple(self.ids), tuple(self.tokens), tuple(self.contexts), tuple(self.sampled))
         n = len(self.ids)
         if not (len(self.tokens) == len(self.contexts) == len(self.sampled) == n):
             raise ValueError("BatchPlan fields must have one entry per request")

@@ -107,6 +107,12 @@ class ServingState:
         """Running requests that decode together this step (between steps: every decoding request)."""
         return len(self.lane.members)
 
+    def prefilling(self) -> list[Request]:
+        """Running requests with prompt (or recompute) tokens left, in running order."""
+        if len(self.lane.members) == len(self.running):  # every running request decodes together
+            return []
+        return [r for r in self.running if not r.is_decoding]
+
     def decode_together(self) -> tuple[int, int, LaneIds] | None:
         """Reserve KV for one more token of every decoding request and describe that part of the
         step: (count, Σ contexts, their ids on demand). None, and nothing reserved, if blocks are
@@ -116,7 +122,7 @@ class ServingState:
             return None
         needing = lane.needing_block()  # their blocks are full: the next token takes one more each
         if needing:
-            if not self.kv.add_block_each([r.request_id for r in needing]):
+            if not self.kv.add_block_each(needing):
                 return None
             lane.got_block()
         return len(lane.members), lane.context_sum(), lane.part_reader()
@@ -136,7 +142,7 @@ class ServingState:
         if not n:
             return 0, start_s, start_s, []
         ends = lane.run_ends(start_s, before_s, step_s, per_context_s, overhead_s, arrival_s, until_s,
-                             lambda needing: kv.add_block_each([r.request_id for r in needing]))
+                             kv.add_block_each)
         if not ends:
             return 0, start_s, start_s, []
         end = ends[-1]

@@ -21,7 +21,7 @@ class ContinuousScheduler(Scheduler):
     def schedule(self, state: ServingState) -> BatchPlan | None:
         step = PlanBuilder(state, self.config.max_num_batched_tokens)
         # split before the decodes: preemption there only removes requests
-        prefilling = state.num_decoding < len(state.running) and [r for r in state.running if not r.is_decoding]
+        prefilling = state.prefilling()
         self._schedule_decodes(state, step)
         if prefilling:
             self._schedule_prefills(prefilling, step)
