@@ -17,7 +17,7 @@ import numpy as np
 
 from engine.observe.metrics import (PERCENTILES, RequestRecord, distribution, record_columns, request_columns,
                                    summarize, summarize_columns, write_columns_csv, write_requests_csv)
-from engine.core.request import Request
+from engine.core.request import Request, RequestStatus
 
 
 class ItlSketch:
@@ -111,6 +111,10 @@ def _numpy(a: array) -> np.ndarray:
 class RequestLog:
     """Finished requests of one simulated run."""
 
+    COLUMNS = ("arrival", "first_scheduled", "first_token", "finish", "prompt", "output", "preemptions", "cached",
+               "lookups")
+    ROWS_PER_FLUSH = 4096  # compact rows buffered as tuples, then moved into the typed arrays
+
     def __init__(self, keep_token_times: bool = True) -> None:
         self.keep_token_times = keep_token_times
         self.records: list[RequestRecord] = []
@@ -124,8 +128,9 @@ class RequestLog:
         self.preemptions = array("q")
         self.cached = array("q")
         self.lookups = array("q")
-        self.statuses: list[str] = []
+        self.statuses: list[RequestStatus] = []
         self.itl = ItlSketch()
+        self._rows: list[tuple] = []  # one per request, COLUMNS order, not yet in the arrays
 
     def __len__(self) -> int:
         return len(self.records) if self.keep_token_times else len(self.ids)
@@ -135,33 +140,36 @@ class RequestLog:
             self.records.append(RequestRecord.from_request(request))
             return
         times = request.token_times_s
+        first_scheduled = request.first_scheduled_s
         self.ids.append(request.request_id)
-        self.arrival.append(request.arrival_s)
-        self.first_scheduled.append(request.first_scheduled_s if request.first_scheduled_s is not None
-                                    else math.nan)
-        self.first_token.append(times[0] if times else math.nan)
-        self.finish.append(times[-1] if times else math.nan)
-        self.prompt.append(request.num_prompt_tokens)
-        self.output.append(len(times))
-        self.preemptions.append(request.num_preemptions)
-        self.cached.append(request.num_cached_tokens)
-        self.lookups.append(request.num_lookup_tokens)
-        self.statuses.append(request.status.name)
+        self.statuses.append(request.status)
+        self._rows.append((request.arrival_s, math.nan if first_scheduled is None else first_scheduled,
+                           times[0] if times else math.nan, times[-1] if times else math.nan,
+                           request.num_prompt_tokens, len(times), request.num_preemptions, request.num_cached_tokens,
+                           request.num_lookup_tokens))
+        if len(self._rows) >= self.ROWS_PER_FLUSH:
+            self._flush_rows()
         self.itl.add_gaps(request.gaps_outside_lane_steps())
+
+    def _flush_rows(self) -> None:
+        if self._rows:
+            for name, values in zip(self.COLUMNS, zip(*self._rows)):
+                getattr(self, name).extend(values)
+            self._rows = []
 
     @property
     def total_output_tokens(self) -> int:
         if self.keep_token_times:
             return sum(r.output_tokens for r in self.records)
+        self._flush_rows()
         return int(np.frombuffer(self.output, dtype=np.int64).sum()) if self.output else 0
 
     def columns(self) -> dict[str, np.ndarray]:
         """Per-request arrays (either mode): engine.observe.metrics.request_columns."""
         if self.keep_token_times:
             return record_columns(self.records)
-        return request_columns(*(_numpy(a) for a in (self.arrival, self.first_scheduled, self.first_token,
-                                                      self.finish, self.prompt, self.output, self.preemptions,
-                                                      self.cached, self.lookups)))
+        self._flush_rows()
+        return request_columns(*(_numpy(getattr(self, name)) for name in self.COLUMNS))
 
     def summarize(self, duration_s: float | None = None, slo_ttft_s: float | None = None,
                   slo_tpot_s: float | None = None, slo_e2el_s: float | None = None) -> dict:
@@ -176,4 +184,4 @@ class RequestLog:
         if self.keep_token_times:
             write_requests_csv(self.records, path)
         else:
-            write_columns_csv(self.ids, self.columns(), self.statuses, None, path)
+            write_columns_csv(self.ids, self.columns(), [s.name for s in self.statuses], None, path)

@@ -144,12 +144,12 @@ class EngineCore:
         call again for the rest). Returns (steps, last end, last ready, finished). Token times
         and blocks are those of running each step through ``launch`` and ``land``."""
         state = self.state
-        if not self._steady:
+        arrival_s = self.arrivals.next_s if not state.waiting else INF  # (see launch)
+        if not self._steady or start_s >= arrival_s:
             return 0, start_s, start_s, []
         costs = decode_costs(state.num_decoding)
         if costs is None:
             return 0, start_s, start_s, []
-        arrival_s = self.arrivals.next_s if not state.waiting else INF  # (see launch)
         steps, end, ready, finished = state.repeat_decodes(start_s, *costs, arrival_s, until_s, on_gaps)
         if finished:
             self._steady = not state.waiting  # as land() after a step in which requests finish

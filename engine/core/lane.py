@@ -58,10 +58,16 @@ class DecodeLane:
         request._computed -= clock
         request._num_output -= clock
         request.lane, request.lane_joined = self, clock
-        i = bisect_left(self.members, request.admit_seq, key=BY_ADMISSION)
-        self.members.insert(i, request)
-        self._ids.insert(i, request.request_id)
-        self._offsets.insert(i, request._computed)
+        members = self.members
+        if not members or members[-1].admit_seq < request.admit_seq:  # usually the newest member
+            members.append(request)
+            self._ids.append(request.request_id)
+            self._offsets.append(request._computed)
+        else:
+            i = bisect_left(members, request.admit_seq, key=BY_ADMISSION)
+            members.insert(i, request)
+            self._ids.insert(i, request.request_id)
+            self._offsets.insert(i, request._computed)
         self._offset_sum += request._computed
         self._num_joined_now += 1
         finish = request.max_tokens - request._num_output

@@ -91,9 +91,10 @@ class ServingState:
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = cached_tokens
-        request.num_lookup_tokens += request.num_tokens
+        num_tokens = request.num_tokens
+        request.num_lookup_tokens += num_tokens
         request.num_cached_tokens += cached_tokens
-        self.prefix_queries += request.num_tokens
+        self.prefix_queries += num_tokens
         if cached_tokens:
             self.prefix_hits += cached_tokens
             self.prefix_hit_requests += 1
@@ -111,7 +112,7 @@ class ServingState:
         """Running requests with prompt (or recompute) tokens left, in running order."""
         if len(self.lane.members) == len(self.running):  # every running request decodes together
             return []
-        return [r for r in self.running if not r.is_decoding]
+        return [r for r in self.running if r.lane is None and not r.is_decoding]
 
     def decode_together(self) -> tuple[int, int, LaneIds] | None:
         """Reserve KV for one more token of every decoding request and describe that part of the

@@ -117,14 +117,14 @@ class PlanBuilder:
             return BatchPlan(scheduler, (), (), (), (), 0, (), *together)  # the common step
         lane_size, lane_context_sum, lane_ids = together or (0, 0, None)
         nd = len(decodes)
-        ids = tuple(decodes)
-        tokens, contexts, sampled = (1,) * nd, tuple(decodes.values()), (True,) * nd
         if prefills:
-            chunks, chunk_contexts, chunk_samples = zip(*prefills.values())
-            ids += tuple(prefills)
-            tokens += chunks
-            contexts += chunk_contexts
-            sampled += chunk_samples
+            ids = tuple(prefills)
+            tokens, contexts, sampled = zip(*prefills.values())
+            if nd:
+                ids = tuple(decodes) + ids
+                tokens, contexts, sampled = (1,) * nd + tokens, tuple(decodes.values()) + contexts, (True,) * nd + sampled
+        else:
+            ids, tokens, contexts, sampled = tuple(decodes), (1,) * nd, tuple(decodes.values()), (True,) * nd
         plan = BatchPlan(scheduler, ids, tokens, contexts, sampled, nd, tuple(self.preempted),
                          lane_size, lane_context_sum, lane_ids)
         if self.loads or self.saves:
