@@ -65,6 +65,7 @@ class CostModelExecutor:
         self._after = cost_model.step_overhead_s - self._before
         self._idle_after_s, self._idle_extra_s = cost_model.after_idle_s
         self._idle_s = 0.0
+        self._decode_costs: dict[int, tuple[float, float, float, float]] = {}  # by count: a run's costs
 
     def start(self, now: float) -> float:
         return now
@@ -90,7 +91,11 @@ class CostModelExecutor:
         return StepResult(None, duration, end, end + self._after)
 
     def decode_costs(self, num_decodes: int) -> tuple[float, float, float, float] | None:
-        return (self._before, *self.cost_model.decode_cost_terms(num_decodes), self._after)
+        costs = self._decode_costs.get(num_decodes)
+        if costs is None:
+            costs = self._decode_costs[num_decodes] = (
+                self._before, *self.cost_model.decode_cost_terms(num_decodes), self._after)
+        return costs
 
 
 class NoisyExecutor(CostModelExecutor):

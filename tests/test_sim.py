@@ -1,6 +1,7 @@
 """The simulator on its own: seed call counts, exact hand-computed metrics, conservation at any
 rate, replicas and routers, closed loop, compact records, capacity search."""
 
+import gc
 import math
 from dataclasses import replace
 
@@ -272,6 +273,19 @@ def test_lazy_source_out_of_arrival_order_is_an_error():
     late_then_early = iter([Request("a", range(4), 2, arrival_s=1.0), Request("b", range(4), 2, arrival_s=0.5)])
     with pytest.raises(ValueError, match="arrival order"):
         simulate(late_then_early, SchedulerConfig(), lambda: ConstantExecutor(0.1))
+    assert gc.isenabled()  # the run pauses the cyclic collector, and gives it back even when it fails
+
+
+def test_a_run_leaves_the_cyclic_collector_as_it_found_it():
+    requests = lambda: create_requests(3, 4, (2,))  # noqa: E731
+    simulate(requests(), SchedulerConfig(), lambda: ConstantExecutor(0.1))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        simulate(requests(), SchedulerConfig(), lambda: ConstantExecutor(0.1))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
