@@ -15,9 +15,11 @@ Each projection runs the candidate ``engine.model.kernels.dispatch`` measured fa
 machine for its row count: miniserve's gemv over a panel-packed copy of the weight, oneDNN's
 linear over its pre-packed copy, or stock ``F.linear`` over the plain weight. Only the copies the
 chosen candidates read are made, each packed straight from the model's weight, and the model's
-own projection weights are then released (zero-stride views of the same shape, dtype and count),
-so where one candidate serves every row count the engine holds about one copy of the weights,
-not three (issue 16, memory).
+own projection weights are then released (zero-stride views of the same shape, dtype and count).
+The dispatch table gives every row count one candidate, so each weight lives in one layout, and a
+tied embedding is read out of its lm_head's panels (or is the lm_head's plain weight): the engine
+holds one copy of the weights, not three (issue 16, memory); only oneDNN with tied embeddings keeps
+the embedding a second time, its packed layout being opaque.
 
 Only the engine's own model gets it (``ModelRunner``); a reference twin built by ``load_model``
 stays stock. The engine's model keeps its parameters' shapes and state-dict keys, but its stock
@@ -28,8 +30,6 @@ the stock forward.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from engine.model import kernels
 from engine.model.attention import ragged_attention
 from engine.model.kernels import dispatch
+from engine.model.weights import release, trim_heap
 
 
 @dataclass
@@ -50,22 +51,6 @@ class Projection:
     plain: torch.Tensor | None  # F.linear's
     bias: torch.Tensor | None
     row_block: int
-
-
-def _release(param: torch.Tensor) -> None:
-    """Free a parameter nothing reads any more: a zero-stride view keeps its shape, dtype and
-    count (ModelShape, state-dict keys) without its memory."""
-    param.data = torch.empty((), dtype=param.dtype).expand(param.shape)
-
-
-def _trim_heap() -> None:
-    """Return freed heap pages to the OS: glibc keeps freed mid-sized blocks (a layer's weights)
-    mapped, and the panels go into their own mapping, so without this the process holds both."""
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
-        pass  # not glibc: its allocator returns memory its own way
 
 
 def _weights_moved(*args, **kwargs):
@@ -81,7 +66,8 @@ class LeanQwen2:
         inner = model.model
         cfg = model.config
         self.model = model
-        self.embed = inner.embed_tokens.weight
+        self.embed: torch.Tensor | None = inner.embed_tokens.weight  # None: read from the lm_head's panels
+        self.embed_panels: kernels.Panels | None = None
         self.rotary = inner.rotary_emb
         self.norm_w, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
         self.choices = dispatch.linear_choices(model.dtype)
@@ -100,8 +86,12 @@ class LeanQwen2:
             specs += [([a.q_proj, a.k_proj, a.v_proj], qkv_b), ([a.o_proj], a.o_proj.bias),
                       ([mlp.gate_proj, mlp.up_proj], None), ([mlp.down_proj], mlp.down_proj.bias)]
         specs.append(([model.lm_head], model.lm_head.bias))
-        self.projections = self._pack(specs, model.dtype)
+        tied = model.lm_head.weight.data_ptr() == self.embed.data_ptr()
+        embed_from_panels = tied and "gemv" in self.choices
+        self.projections = self._pack(specs, model.dtype, keep=None if embed_from_panels else self.embed)
         self.lm = self.projections[-1]
+        if embed_from_panels:
+            self.embed, self.embed_panels = None, self.lm.panels
         self.layers = []
         for i, layer in enumerate(inner.layers):
             a, mlp = layer.self_attn, layer.mlp
@@ -114,29 +104,30 @@ class LeanQwen2:
             ))
         model.forward = _weights_moved
 
-    def _pack(self, specs: list, dtype: torch.dtype) -> list[Projection]:
+    def _pack(self, specs: list, dtype: torch.dtype, keep: torch.Tensor | None) -> list[Projection]:
         """Each projection in the copies its kernels read, made one weight at a time (panels
         straight into their huge-page buffer) and each source weight released once nothing reads
-        it, so the model's weights and their packed copies never all sit in memory together."""
+        it (``keep``: the embedding, where the forward reads it plain), so the model's weights and
+        their packed copies never all sit in memory together."""
         need = set(self.choices)
         shapes = [(sum(m.out_features for m in mods), mods[0].in_features) for mods, _ in specs]
         arena = (kernels.huge_page_arena([kernels.panel_shape(n, k, dtype) for n, k in shapes], dtype)
                  if "gemv" in need else [None] * len(specs))
         esize = torch.empty((), dtype=dtype).element_size()
-        embed_ptr = self.embed.data_ptr()
+        keep_ptr = None if keep is None else keep.data_ptr()
         out = []
         for (mods, bias), (n, k), buf in zip(specs, shapes, arena):
             w = torch.cat([m.weight.detach() for m in mods]) if len(mods) > 1 else mods[0].weight.detach()
+            plain = w if "torch" in need else None
             out.append(Projection(
                 n, kernels.pack_panels(w, out=buf) if "gemv" in need else None,
                 dispatch.onednn_pack(w) if "onednn" in need else None,
-                w if "torch" in need else None,
-                None if bias is None else bias.detach(), dispatch.row_block(k, esize)))
+                plain, None if bias is None else bias.detach(), dispatch.row_block(k, esize)))
             del w
-            for m in mods:  # a tied lm_head is the embedding, which the forward reads
-                if m.weight.data_ptr() != embed_ptr and not ("torch" in need and len(mods) == 1):
-                    _release(m.weight)
-            _trim_heap()
+            for m in mods:  # F.linear's plain weight is the parameter itself: kept as it is
+                if m.weight.data_ptr() not in (keep_ptr, None if plain is None else plain.data_ptr()):
+                    release(m.weight)
+            trim_heap()
         return out
 
     @classmethod
@@ -160,7 +151,8 @@ class LeanQwen2:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, cache,
                  rows: torch.Tensor) -> torch.Tensor:
-        h = F.embedding(input_ids[0], self.embed)  # (T, hidden)
+        h = (F.embedding(input_ids[0], self.embed) if self.embed is not None
+             else kernels.panel_rows(self.embed_panels, input_ids[0]))  # (T, hidden)
         cos, sin = self.rotary(h, positions[None])
         cos, sin = cos[0], sin[0]  # (T, D)
         t = h.shape[0]

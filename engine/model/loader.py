@@ -15,6 +15,7 @@ from engine.model.attention import ATTN_IMPLEMENTATION
 from engine.model.device import resolve
 from engine.model.kernels import dispatch
 from engine.model.tokenizer import byte_tokenizer
+from engine.model.weights import release, trim_heap
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -39,8 +40,9 @@ def config_fingerprint(model_config: ModelConfig) -> str:
 def pack_linear_weights(model: PreTrainedModel) -> int:
     """Give every Linear (lm_head included) a copy of its weight pre-packed for oneDNN, and run it
     through oneDNN's linear with that copy: bf16 F.linear on this CPU repacks or falls back on
-    every call. Parameters stay as they are (state dict, shapes, tied embeddings); returns the
-    number of layers packed."""
+    every call. Each source weight is then released (``engine.model.weights``: shapes and counts
+    stay), one layer at a time, except a tied lm_head's, which is the embedding the model still
+    reads; returns the number of layers packed."""
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = dispatch.onednn_linear(x.reshape(-1, x.shape[-1]), self.packed_weight, self.bias)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -48,9 +50,13 @@ def pack_linear_weights(model: PreTrainedModel) -> int:
     if model.device.type != "cpu" or not dispatch.onednn_available():
         return 0  # oneDNN packing is a CPU path; elsewhere the stock linears run
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    embeddings = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     for m in linears:
         m.packed_weight = dispatch.onednn_pack(m.weight)
         m.forward = types.MethodType(forward, m)
+        if m.weight.data_ptr() not in embeddings:
+            release(m.weight)
+            trim_heap()
     return len(linears)
 
 

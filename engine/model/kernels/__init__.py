@@ -1,7 +1,8 @@
 """The engine's own CPU kernels, compiled once per machine at first use.
 
 - ``gemv(dtype)`` (gemv.cpp): a function (x, Panels, bias, row_block) -> y, made for decode-sized
-  linears (it reads the weights at memory speed); ``pack_panels`` lays a weight out for it.
+  linears (it reads the weights at memory speed); ``pack_panels`` lays a weight out for it,
+  ``panel_rows`` reads rows of it back (a tied embedding).
 - ``decode_attention(dtype, head_dim)`` (decode_attention.cpp): every decoding request's one query
   against its own KV slot, in one call.
 - ``layer_ops(dtype)`` (layer_ops.cpp): a decoder layer's work between its products (residual add
@@ -115,6 +116,17 @@ def pack_panels(w: torch.Tensor, out: torch.Tensor | None = None) -> Panels:
         if rest:
             data[full:].copy_(F.pad(w[full * PANEL:], (0, 0, 0, PANEL - rest)).view(1, PANEL, k).permute(0, 2, 1))
     return Panels(data, n, k)
+
+
+def panel_rows(panels: Panels, rows: torch.Tensor) -> torch.Tensor:
+    """``w[rows]`` (len(rows), k) read back out of ``pack_panels(w)``, value for value.
+
+    Why: a tied embedding is its lm_head's weight, so the embedding lookup reads the lm_head's
+    panels instead of keeping the weight a second time in its plain layout."""
+    d = panels.data
+    if d.dtype == torch.bfloat16:  # (panels, k/2, PANEL, 2): a row's pairs, then its k
+        return d[rows // PANEL, :, rows % PANEL, :].reshape(len(rows), -1)[:, :panels.k].contiguous()
+    return d[rows // PANEL, :, rows % PANEL].contiguous()  # (panels, k, PANEL)
 
 
 def huge_page_arena(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:

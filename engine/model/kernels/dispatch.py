@@ -10,9 +10,11 @@ dispatches to the faster:
   its pre-packed copy), ``torch`` (stock ``F.linear`` over the plain weight);
 - a step's decode attention: ``kernel`` (miniserve's decode attention) or ``sdpa``.
 
-Each linear candidate reads its own copy of the weights, so a candidate that is not the one chosen
-for single rows (a decode step) must be more than ``EXTRA_COPY_MARGIN`` faster to be kept: a
-second copy costs a whole model's worth of memory. The table is cached as JSON beside the compiled
+Each linear candidate reads its own layout of the weights, and a second layout costs a whole
+model's worth of memory (issue 16: the 1.5B shape in fp32 barely fitted a 24 GB machine with
+three), so the table gives every row class the same candidate: the one whose slowest row class,
+against that class's fastest candidate, loses least. The engine then keeps each weight in that one
+layout. The table is cached as JSON beside the compiled
 kernels, under a name hashed from ``machine_key()`` (CPU model, its flags, the
 ``MINISERVE_CPU_FEATURES`` mask, threads, torch and the kernels' sources); a file whose key differs
 is measured again, never reused. ``MINISERVE_DISPATCH=linear=onednn,attention=sdpa`` forces a
@@ -42,9 +44,8 @@ from engine.model.kernels.features import cache_sizes, cpu_features, cpu_model, 
 LINEAR = ("gemv", "onednn", "torch")
 ATTENTION = ("kernel", "sdpa")
 ROW_CLASSES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-EXTRA_COPY_MARGIN = 0.05  # a second copy of the weights must buy more than this
 FORCE_ENV = "MINISERVE_DISPATCH"
-VERSION = 1  # bump when what is measured changes
+VERSION = 2  # bump when what is measured or how it is chosen changes
 log = logging.getLogger("miniserve.dispatch")
 
 
@@ -149,17 +150,15 @@ def save_table(path: Path, table: Table) -> None:
 
 
 def choose_rows(timings: dict[int, dict[str, float]]) -> list[str]:
-    """The candidate per row class from measured seconds ({rows: {candidate: s}}): the fastest,
-    except that a candidate other than the single-row one (whose copy of the weights the engine
-    keeps anyway) must be more than EXTRA_COPY_MARGIN faster than it."""
-    first = min(timings[ROW_CLASSES[0]], key=timings[ROW_CLASSES[0]].get)
-    out = []
-    for rows in ROW_CLASSES:
-        t = timings[rows]
-        best = min(t, key=t.get)
-        keep_first = first in t and t[first] <= t[best] * (1 + EXTRA_COPY_MARGIN)
-        out.append(first if keep_first else best)
-    return out
+    """One candidate for every row class from measured seconds ({rows: {candidate: s}}): each
+    candidate reads its own layout of the weights and the engine keeps one, so the choice is the
+    candidate whose worst ratio to a row class's fastest is least (on a tie, the faster at one row)."""
+    cands = [c for c in timings[ROW_CLASSES[0]] if all(c in timings[r] for r in ROW_CLASSES)]
+
+    def worst(c: str) -> tuple[float, float]:
+        return max(timings[r][c] / min(timings[r].values()) for r in ROW_CLASSES), timings[ROW_CLASSES[0]][c]
+
+    return [min(cands, key=worst)] * len(ROW_CLASSES)
 
 
 def choose(timings: dict[str, float]) -> str:
