@@ -50,7 +50,7 @@ class PhysicalShape:
     bytes_per_param: int
     kv_bytes_per_token: int  # K and V, all layers
     attn_flops_per_pair: int  # QKᵀ + PV, all layers and query heads
-    model_type: str = "qwen2"  # which code runs it: on CPU the lean layers and kernels run qwen2 only
+    model_type: str = "qwen2"  # qwen2 or qwen3: which small parameters a layer has (biases or q/k norms)
 
     @classmethod
     def of(cls, shape: dict, dtype: str) -> PhysicalShape:
@@ -271,12 +271,6 @@ def load_profile_for(path: str | Path, shape: dict, dtype: str, fingerprint: str
         cost = cost.for_model(PhysicalShape.of(shape, dtype), fingerprint, transfer)
         note = (f"transferring the physical cost model calibrated on {src.get('name')} ({src.get('dtype')}) "
                 f"to this model's shape ({dtype}): call times are predicted from its bytes and FLOPs, not measured")
-        if cost.shape.model_type != data["physical"]["shape"].get("model_type", "qwen2"):
-            transfer["same_code_path"] = False
-            note += (f"; but this is a {cost.shape.model_type} model and the profile's is "
-                     f"{data['physical']['shape'].get('model_type', 'qwen2')}: on CPU miniserve's lean layers and "
-                     f"kernels run Qwen2 only, so its calls run other code and the efficiencies need not carry over; "
-                     f"calibrate it for like-for-like times")
         if src.get("dtype") != dtype:
             note += (f"; the profile's dtype {src.get('dtype')} differs from {dtype}, so its efficiencies "
                      f"(and the matmul limit) belong to the other dtype")

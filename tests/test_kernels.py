@@ -349,6 +349,17 @@ def test_fused_layer_ops_round_where_the_stock_ops_round(dtype, t, n, heads, d, 
     q2 = stock.rotary_kv(qkv, cos, sin, nh, nkv, stores[2], stores[3], slots, positions)
     assert q1.shape == (t, nh, d) and torch.equal(q1, q2)
     assert torch.equal(stores[0], stores[2]) and torch.equal(stores[1], stores[3])
+    # with Qwen3's per-head q/k RMSNorm first: v bit-identical; q and k move only by the norm's
+    # order of the sum of squares, carried through the rotation (an ulp or two of the largest term)
+    qn, kn = randn(d), randn(d)
+    stores = [torch.zeros(3, nkv, t + 5, d, dtype=dtype) for _ in range(4)]
+    q1 = fused.rotary_kv(qkv, cos, sin, nh, nkv, stores[0], stores[1], slots, positions, qn, kn, 1e-6)
+    q2 = stock.rotary_kv(qkv, cos, sin, nh, nkv, stores[2], stores[3], slots, positions, qn, kn, 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+    for a, b in ((q1, q2), (stores[0], stores[2])):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=tol * (1 + b.float().abs().max().item()))
+    assert torch.equal(stores[1], stores[3])
+    assert not torch.equal(q1, fused.rotary_kv(qkv, cos, sin, nh, nkv, *stores[:2], slots, positions))
 
 
 def _rotary_case(**override):
@@ -376,6 +387,9 @@ def _rotary_case(**override):
     (lambda o: o.rotary_kv(*_rotary_case(qkv=torch.randn(3, 120))), "qkv must be a contiguous \\(rows, 128\\)"),
     (lambda o: o.rotary_kv(*_rotary_case(cos=torch.randn(2, 16), sin=torch.randn(2, 16))), "one row per token"),
     (lambda o: o.rotary_kv(*_rotary_case(slots=torch.tensor([0, 1]))), "int64 \\(tokens,\\)"),
+    (lambda o: o.rotary_kv(*_rotary_case(), torch.randn(16), None, 1e-6), "q_norm and k_norm come together"),
+    (lambda o: o.rotary_kv(*_rotary_case(), torch.randn(16), torch.randn(8), 1e-6),
+     "q_norm and k_norm must be contiguous \\(16,\\)"),
 ])
 def test_layer_ops_bad_input_is_a_clear_error(make, message):
     with pytest.raises(RuntimeError, match=message):

@@ -120,6 +120,53 @@ def test_local_qwen3_checkpoint_loads_offline_and_matches_reference(tmp_path):
     run_and_compare(runner, sdpa_twin(model_config), config, mixed_requests(256), atol=1e-5)
 
 
+def tiny_qwen3(path, head_dim: int = 32) -> ModelConfig:
+    """A Qwen3 checkpoint where head_dim is not hidden / heads (48 / 4 = 12), with GQA (4 query
+    heads, 2 KV heads), no q/k/v bias and random norm weights (q_norm / k_norm included), so each
+    of Qwen3's differences from Qwen2 changes the logits."""
+    cfg = AutoConfig.for_model("qwen3", vocab_size=256, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                               max_position_embeddings=512, tie_word_embeddings=True)
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return ModelConfig(name="local", path=str(path))
+
+
+@pytest.mark.parametrize("force", DISPATCH)
+def test_qwen3_runs_the_lean_path_and_matches_unbatched_reference_fp32(tmp_path, force, monkeypatch):
+    """Qwen3 runs the same lean loop and kernels as Qwen2 (q/k norms in the rotary op), exact against
+    transformers' Qwen3 on prefill chunks, ragged batched decodes and mixed steps."""
+    monkeypatch.setenv(dispatch.FORCE_ENV, force)
+    if "gemv" in force and "gemv" not in dispatch.linear_candidates(torch.float32):
+        pytest.skip("no gemv kernel on this machine (as masked)")
+    model_config = tiny_qwen3(tmp_path)
+    config = SchedulerConfig(name="continuous", max_num_seqs=4, max_num_batched_tokens=16,
+                             long_prefill_token_threshold=6)
+    runner = ModelRunner(model_config, config)
+    assert type(runner.model).__name__ == "Qwen3ForCausalLM" and runner._lean is not None
+    assert runner.cache.keys[0].shape[-1] == 32  # the config's head_dim, not hidden / heads
+    if "sdpa" in force:  # the path machines without ours run
+        assert runner.decode_attention is None
+        runner._lean.ops = engine_kernels.TORCH_LAYER_OPS
+    _, _, phases = run_and_compare(runner, sdpa_twin(model_config), config, mixed_requests(256), atol=1e-5)
+    assert {"mixed", "decode"} <= phases
+
+
+def test_qwen3_head_dim_without_a_decode_kernel_stays_exact(tmp_path):
+    """A head dim the decode attention kernel has no variant for (24) decodes with SDPA, still lean."""
+    model_config = tiny_qwen3(tmp_path, head_dim=24)
+    config = SchedulerConfig(name="continuous", max_num_seqs=3, max_num_batched_tokens=12,
+                             long_prefill_token_threshold=5)
+    runner = ModelRunner(model_config, config)
+    assert runner._lean is not None and runner.decode_attention is None
+    run_and_compare(runner, sdpa_twin(model_config), config, mixed_requests(256), atol=1e-5)
+
+
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_model(ModelConfig(name="local", path=str(tmp_path)))

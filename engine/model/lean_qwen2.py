@@ -1,5 +1,5 @@
-"""A lean CPU forward for the Qwen2 decoder: the same arithmetic as transformers' modules, with
-less Python around it.
+"""A lean CPU forward for the Qwen2 and Qwen3 decoders: the same arithmetic as transformers'
+modules, with less Python around it.
 
 Why: on this 2-core CPU a B=1 decode step spends ~10-15 ms of ~50 in Python and dispatch inside
 transformers' layers (module ``__call__``, kwargs plumbing, decorators, one linear call per
@@ -21,10 +21,15 @@ tied embedding is read out of its lm_head's panels (or is the lm_head's plain we
 holds one copy of the weights, not three (issue 16, memory); only oneDNN with tied embeddings keeps
 the embedding a second time, its packed layout being opaque.
 
+Qwen3 is Qwen2's decoder with three differences, all handled here so both run the same loop and
+kernels (and a cost profile measured on one transfers to the other): an explicit ``head_dim``
+(not hidden / heads), no q/k/v bias, and a per-head RMSNorm of q and k after their projection and
+before the rotation (``q_norm`` / ``k_norm``), which the rotary layer op applies in its pass.
+
 Only the engine's own model gets it (``ModelRunner``); a reference twin built by ``load_model``
 stays stock. The engine's model keeps its parameters' shapes and state-dict keys, but its stock
 ``forward`` refuses to run once its weights have moved.
-Used only on CPU, for qwen2 models without sliding-window layers; anything else runs
+Used only on CPU, for qwen2 and qwen3 models without sliding-window layers; anything else runs
 the stock forward.
 """
 
@@ -58,9 +63,13 @@ def _weights_moved(*args, **kwargs):
                        "(engine/model/lean_qwen2.py); build another with load_model for the stock forward")
 
 
+MODEL_TYPES = ("qwen2", "qwen3")
+
+
 class LeanQwen2:
     """Callable (input_ids (1, T), positions (T,), ragged batch, KV cache, sample rows) -> logits
-    (rows, vocab) computed as Qwen2ForCausalLM would with ``logits_to_keep=rows``."""
+    (rows, vocab) computed as Qwen2ForCausalLM (or Qwen3ForCausalLM) would with
+    ``logits_to_keep=rows``."""
 
     def __init__(self, model) -> None:
         inner = model.model
@@ -96,9 +105,14 @@ class LeanQwen2:
         for i, layer in enumerate(inner.layers):
             a, mlp = layer.self_attn, layer.mlp
             qkv, o, gu, down = self.projections[4 * i:4 * i + 4]
+            # Qwen3's per-head q/k RMSNorm, as rotary_kv's optional arguments; none for Qwen2
+            qk_norm = ((a.q_norm.weight, a.k_norm.weight, a.q_norm.variance_epsilon)
+                       if getattr(a, "q_norm", None) is not None else ())
+            if qk_norm and a.q_norm.variance_epsilon != a.k_norm.variance_epsilon:
+                raise ValueError("q_norm and k_norm with different eps")
             self.layers.append((
                 i, a.scaling, a.q_proj.out_features, a.k_proj.out_features,
-                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv, o,
+                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv, qk_norm, o,
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
                 gu, mlp.gate_proj.out_features, down,
             ))
@@ -134,7 +148,7 @@ class LeanQwen2:
     def supports(cls, model) -> bool:
         cfg = model.config
         layer_types = getattr(cfg, "layer_types", None) or ["full_attention"]
-        return (model.device.type == "cpu" and cfg.model_type == "qwen2"
+        return (model.device.type == "cpu" and cfg.model_type in MODEL_TYPES
                 and cfg.hidden_act == "silu" and set(layer_types) == {"full_attention"})
 
     def _project(self, x: torch.Tensor, p: Projection) -> torch.Tensor:
@@ -159,11 +173,11 @@ class LeanQwen2:
         d = self.head_dim
         project, ops = self._project, self.ops
         delta = None  # what the previous layer's MLP adds to h
-        for i, scaling, nq, nkv, ln1, eps1, qkv, o, ln2, eps2, gu, inter, down in self.layers:
+        for i, scaling, nq, nkv, ln1, eps1, qkv, qk_norm, o, ln2, eps2, gu, inter, down in self.layers:
             k_store, v_store = cache.keys[i], cache.values[i]
             x = ops.add_rms_norm(h, delta, ln1, eps1)
             q = ops.rotary_kv(project(x, qkv), cos, sin, nq // d, nkv // d, k_store, v_store,
-                              batch.write_slots, batch.write_positions)  # (T, H, D)
+                              batch.write_slots, batch.write_positions, *qk_norm)  # (T, H, D)
             attn, _ = ragged_attention(None, q.transpose(0, 1)[None], k_store, v_store, batch, scaling=scaling)
             x = ops.add_rms_norm(h, project(attn.reshape(t, -1), o), ln2, eps2)
             delta = project(ops.silu_mul(project(x, gu), inter), down)

@@ -6,7 +6,8 @@
 - ``decode_attention(dtype, head_dim)`` (decode_attention.cpp): every decoding request's one query
   against its own KV slot, in one call.
 - ``layer_ops(dtype)`` (layer_ops.cpp): a decoder layer's work between its products (residual add
-  + RMSNorm, SiLU·up, rotary + KV write) in three fused calls; ``TORCH_LAYER_OPS`` is the same
+  + RMSNorm, SiLU·up, rotary + KV write, with Qwen3's per-head q/k RMSNorm before the rotary) in
+  three fused calls; ``TORCH_LAYER_OPS`` is the same
   three in stock torch ops, what machines without the kernels run.
 - ``argmax_rows(dtype)`` (argmax.cpp): each row's greedy token, rows in parallel, bf16 read as is.
 
@@ -256,7 +257,9 @@ class LayerOps:
 
     add_rms_norm: Callable  # (h (T, n), delta (T, n) | None, weight, eps) -> RMSNorm(h += delta) · weight
     silu_mul: Callable  # (gu (T, 2I), I) -> silu(gu[:, :I]) · gu[:, I:]
-    rotary_kv: Callable  # (qkv, cos (T, D), sin, heads, kv_heads, k_store, v_store, slots, positions) -> q (T, H, D)
+    # (qkv, cos (T, D), sin, heads, kv_heads, k_store, v_store, slots, positions[, q_norm, k_norm, eps])
+    # -> q (T, H, D); with q_norm / k_norm (Qwen3) each q and k head is RMS-normalised before its rotation
+    rotary_kv: Callable
 
 
 def _torch_add_rms_norm(h, delta, weight, eps):
@@ -273,11 +276,18 @@ def _torch_silu_mul(gu, inter):
     return F.silu(gu[:, :inter]) * gu[:, inter:]
 
 
-def _torch_rotary_kv(qkv, cos, sin, heads, kv_heads, k_store, v_store, slots, positions):
+def _torch_rotary_kv(qkv, cos, sin, heads, kv_heads, k_store, v_store, slots, positions,
+                     q_norm=None, k_norm=None, eps=0.0):
     """Qwen2's apply_rotary_pos_emb over the q and k heads side by side in qkv (elementwise, so the
-    same values as rotating each), k and v written into their slots."""
+    same values as rotating each), k and v written into their slots; with q_norm and k_norm,
+    Qwen3Attention's per-head RMSNorm of q and k first (the same op for op as add_rms_norm's)."""
     t, d = qkv.shape[0], k_store.shape[-1]
     qk = qkv[:, :(heads + kv_heads) * d].view(t, heads + kv_heads, d)
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together")
+    if q_norm is not None:
+        qk = torch.cat((_torch_add_rms_norm(qk[:, :heads], None, q_norm, eps),
+                        _torch_add_rms_norm(qk[:, heads:], None, k_norm, eps)), dim=1)
     half = d // 2
     qk = (qk * cos[:, None]) + (torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin[:, None])
     k_store[slots, :, positions] = qk[:, heads:]

@@ -1,4 +1,4 @@
-// miniserve's fused layer ops: what a Qwen2 decoder layer does between its matrix products, in
+// miniserve's fused layer ops: what a Qwen2 or Qwen3 decoder layer does between its matrix products, in
 // three calls instead of ~30 torch ops.
 //
 // Why: once the products run at memory speed (gemv.cpp) and attention reads each request's keys
@@ -12,7 +12,9 @@
 //   dtype, then the product), as Qwen2MLP.
 // - rotary_kv: rotary embedding of a step's q and k heads straight out of the fused qkv projection
 //   ((x · cos) + (rotate_half(x) · sin), each product rounded), k and v written into their KV slots,
-//   q returned as (tokens, heads, D).
+//   q returned as (tokens, heads, D). Given q_norm and k_norm (Qwen3), each q and k head is first
+//   RMS-normalised over its D values as add_rms_norm does a row (Qwen3Attention's q_norm / k_norm,
+//   applied after the projection and before the rotation), in the same pass.
 // Only the order of the sum of squares and exp's polynomial (simd.h) differ from torch's: logits
 // move by rounding (tests hold them to the unbatched reference at 1e-5 in fp32).
 
@@ -25,6 +27,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
+#include <optional>
 
 #include "simd.h"
 
@@ -58,6 +62,22 @@ MINISERVE_TARGET void add_rms_norm_rows(T* h, const T* delta, const T* w, T* x, 
   }
 }
 
+// one head: y = RMSNorm(x) · w over its D values, rounded as add_rms_norm_rows rounds; y may be x
+template <typename T>
+MINISERVE_TARGET inline void rms_norm_head(const T* x, const T* w, T* y, int64_t D, float eps) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += 16) {
+    const __m512 v = load16(x + i, lanes(D - i));
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(D) + eps);
+  for (int64_t i = 0; i < D; i += 16) {
+    const __mmask16 m = lanes(D - i);
+    const __m512 xn = round_to(y, _mm512_mul_ps(load16(x + i, m), _mm512_set1_ps(inv)));
+    store16(y + i, _mm512_mul_ps(load16(w + i, m), xn), m);
+  }
+}
+
 template <typename T>
 MINISERVE_TARGET void silu_mul_rows(const T* gu, T* out, int64_t r0, int64_t r1, int64_t inter) {
   for (int64_t r = r0; r < r1; ++r) {
@@ -72,7 +92,8 @@ MINISERVE_TARGET void silu_mul_rows(const T* gu, T* out, int64_t r0, int64_t r1,
   }
 }
 
-// one head of one token: y = (x · cos) + (rotate_half(x) · sin), each product rounded to T
+// one head of one token: y = (x · cos) + (rotate_half(x) · sin), each product rounded to T; y may
+// be x (each step reads both halves' values before writing them)
 template <typename T>
 MINISERVE_TARGET inline void rotate(const T* x, const T* cos, const T* sin, T* y, int64_t D) {
   const int64_t half = D / 2;
@@ -90,14 +111,28 @@ MINISERVE_TARGET inline void rotate(const T* x, const T* cos, const T* sin, T* y
 template <typename T>
 MINISERVE_TARGET void rotary_kv_tokens(const T* qkv, const T* cos, const T* sin, T* q, T* ks, T* vs,
                                        const int64_t* slots, const int64_t* positions, int64_t t0, int64_t t1,
-                                       int64_t H, int64_t KVH, int64_t D, int64_t max_len) {
+                                       int64_t H, int64_t KVH, int64_t D, int64_t max_len, const T* qn,
+                                       const T* kn, float eps) {
   const int64_t width = (H + 2 * KVH) * D;
   for (int64_t t = t0; t < t1; ++t) {
     const T *x = qkv + t * width, *c = cos + t * D, *s = sin + t * D;
-    for (int64_t h = 0; h < H; ++h) rotate(x + h * D, c, s, q + (t * H + h) * D, D);
+    for (int64_t h = 0; h < H; ++h) {
+      T* y = q + (t * H + h) * D;
+      if (qn) {  // normalised into the output, then rotated there
+        rms_norm_head(x + h * D, qn, y, D, eps);
+        rotate(y, c, s, y, D);
+      } else {
+        rotate(x + h * D, c, s, y, D);
+      }
+    }
     for (int64_t h = 0; h < KVH; ++h) {
       const int64_t at = ((slots[t] * KVH + h) * max_len + positions[t]) * D;
-      rotate(x + (H + h) * D, c, s, ks + at, D);
+      if (kn) {
+        rms_norm_head(x + (H + h) * D, kn, ks + at, D, eps);
+        rotate(ks + at, c, s, ks + at, D);
+      } else {
+        rotate(x + (H + h) * D, c, s, ks + at, D);
+      }
       const T* v = x + (H + KVH + h) * D;
       for (int64_t i = 0; i < D; i += 16) store16(vs + at + i, load16(v + i, lanes(D - i)), lanes(D - i));
     }
@@ -186,7 +221,8 @@ at::Tensor silu_mul(const at::Tensor& gu, int64_t inter) {
 
 at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
                      int64_t kv_heads, const at::Tensor& k_store, const at::Tensor& v_store, const at::Tensor& slots,
-                     const at::Tensor& positions) {
+                     const at::Tensor& positions, const std::optional<at::Tensor>& q_norm,
+                     const std::optional<at::Tensor>& k_norm, double eps) {
   const char* op = "miniserve::rotary_kv: ";
   TORCH_CHECK(k_store.dim() == 4 && k_store.sizes() == v_store.sizes() && k_store.size(1) == kv_heads, op,
               "the stores must be two (slots, ", kv_heads, ", max_len, D) tensors");
@@ -205,6 +241,12 @@ at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
                   positions.dim() == 1 && slots.size(0) == T && positions.size(0) == T && slots.is_contiguous() &&
                   positions.is_contiguous(),
               op, "slots and positions must be contiguous int64 (tokens,) tensors");
+  const bool has_qn = q_norm.has_value() && q_norm->defined(), has_kn = k_norm.has_value() && k_norm->defined();
+  TORCH_CHECK(has_qn == has_kn, op, "q_norm and k_norm come together");
+  for (const auto* w : {has_qn ? &*q_norm : nullptr, has_kn ? &*k_norm : nullptr}) {
+    TORCH_CHECK(!w || (w->dim() == 1 && w->size(0) == D && w->is_contiguous() && w->scalar_type() == dtype), op,
+                "q_norm and k_norm must be contiguous (", D, ",) tensors of qkv's dtype");
+  }
   const int64_t *sp = slots.data_ptr<int64_t>(), *pp = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots && pp[t] >= 0 && pp[t] < max_len, op, "token ", t,
@@ -214,9 +256,11 @@ at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
 #ifdef MINISERVE_X86
   by_dtype(dtype, [&](auto zero) {
     using U = decltype(zero);
+    const U* qn = has_qn ? ptr<U>(*q_norm) : nullptr;
+    const U* kn = has_kn ? ptr<U>(*k_norm) : nullptr;
     at::parallel_for(0, T, grain((heads + 2 * kv_heads) * D), [&](int64_t t0, int64_t t1) {
       rotary_kv_tokens(ptr<U>(qkv), ptr<U>(cos), ptr<U>(sin), ptr<U>(q), ptr<U>(k_store), ptr<U>(v_store), sp, pp,
-                       t0, t1, heads, kv_heads, D, max_len);
+                       t0, t1, heads, kv_heads, D, max_len, qn, kn, static_cast<float>(eps));
     });
   });
 #endif
@@ -229,7 +273,8 @@ TORCH_LIBRARY_FRAGMENT(miniserve, m) {
   m.def("add_rms_norm(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu, int inter) -> Tensor");
   m.def("rotary_kv(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(a!) k_store, "
-        "Tensor(b!) v_store, Tensor slots, Tensor positions) -> Tensor");
+        "Tensor(b!) v_store, Tensor slots, Tensor positions, Tensor? q_norm=None, Tensor? k_norm=None, "
+        "float eps=0.0) -> Tensor");
   m.def("layer_ops_supported(ScalarType dtype) -> bool", &layer_ops_supported);
 }
 
