@@ -287,7 +287,8 @@ def test_decode_attention_bad_input_is_a_clear_error(make, message):
 
 
 @needs("decode_attention", torch.float32)
-def test_the_engine_attends_a_steps_decodes_in_one_kernel_call_per_layer():
+def test_the_engine_attends_a_steps_decodes_in_one_kernel_call_per_layer(monkeypatch):
+    monkeypatch.setenv("MINISERVE_DISPATCH", "attention=kernel")  # what is tested, whatever this machine measured
     runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=4, max_model_len=64))
     real, calls = runner.decode_attention, []
     runner.decode_attention = lambda q, k, v, slots, lens, scale: (

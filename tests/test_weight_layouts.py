@@ -74,14 +74,14 @@ def test_panel_rows_read_back_the_packed_weight(n, k, dtype):
 
 
 def test_the_stock_forward_on_cpu_reads_only_oneDNN_copies(tmp_path):
-    """A model the lean forward does not cover (Qwen3) runs the stock layers over oneDNN's packed
-    weights: their sources are released, except the tied lm_head's, which is the embedding."""
+    """A model the lean forward does not cover (here a GELU MLP) runs the stock layers over oneDNN's
+    packed weights: their sources are released, except the tied lm_head's, which is the embedding."""
     if not dispatch.onednn_available():
         pytest.skip("no oneDNN in this torch")
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 320, "hidden_size": 64,
         "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "max_position_embeddings": 512, "tie_word_embeddings": True}))
+        "head_dim": 16, "max_position_embeddings": 512, "tie_word_embeddings": True, "hidden_act": "gelu"}))
     runner = ModelRunner(ModelConfig(name="local", path=str(tmp_path)), SchedulerConfig(max_num_seqs=2))
     model = runner.model
     assert runner._lean is None
