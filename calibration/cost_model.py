@@ -83,11 +83,13 @@ def plan_quantities(plan: BatchPlan) -> tuple[int, int, int, float, int, int]:
     never listed."""
     prefill_tokens, prefill_attention = 0, 0.0
     d = plan.explicit_decodes
-    for n, c in zip(plan.tokens[d:], plan.contexts[d:]):  # plan.prefill_chunks, without the tuple
+    tokens, contexts = plan.tokens, plan.contexts
+    for n, c in zip(tokens[d:], contexts[d:]):  # plan.prefill_chunks, without the tuple
         prefill_tokens += n
         prefill_attention += n * (c + n / 2)
-    return (prefill_tokens, plan.num_decodes, plan.decode_context_sum, prefill_attention, plan.num_requests,
-            plan.num_samples)
+    lane = plan.lane_size  # num_decodes, decode_context_sum, num_requests, num_samples, inlined (per step)
+    return (prefill_tokens, lane + d, plan.lane_context_sum + (sum(contexts[:d]) if d else 0), prefill_attention,
+            lane + len(plan.ids), lane + sum(plan.sampled))
 
 
 def plan_features(plan: BatchPlan) -> tuple[float, ...]:
@@ -144,6 +146,8 @@ class CostModel:
     info: dict = field(default_factory=dict)  # fit errors, device, threads, torch version, date ...
     kv_copy_s_per_token: float = 0.0  # prefix caching's copies, per token loaded or stored
     _decode_fixed: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _tokens_part: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _samples_part: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if tuple(self.feature_names) != FEATURES:
@@ -164,9 +168,15 @@ class CostModel:
             return self.predict_decodes(plan.num_decodes, plan.decode_context_sum)
         prefill_tokens, decodes, decode_context, prefill_attention, requests, samples = plan_quantities(plan)
         c = self.coefficients
+        tokens_part = self._tokens_part.get(prefill_tokens + decodes)  # the tents, remembered per count
+        if tokens_part is None:
+            tokens_part = self._tokens_part[prefill_tokens + decodes] = _tent_dot(
+                prefill_tokens + decodes, TOKEN_KNOTS, c, _TOKENS_AT)
+        samples_part = self._samples_part.get(samples)
+        if samples_part is None:
+            samples_part = self._samples_part[samples] = _tent_dot(samples, SAMPLE_KNOTS, c, _SAMPLES_AT)
         return (c[0] + c[1] * prefill_tokens + c[2] * decodes + c[3] * decode_context + c[4] * prefill_attention
-                + c[5] * requests + _tent_dot(prefill_tokens + decodes, TOKEN_KNOTS, c, _TOKENS_AT)
-                + _tent_dot(samples, SAMPLE_KNOTS, c, _SAMPLES_AT) + self.kv_copy_s_per_token * plan.kv_copy_tokens)
+                + c[5] * requests + tokens_part + samples_part + self.kv_copy_s_per_token * plan.kv_copy_tokens)
 
     def predict_decodes(self, num_decodes: int, context_sum: int) -> float:
         """``predict`` of a call that decodes ``num_decodes`` requests (contexts summing to

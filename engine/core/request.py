@@ -113,7 +113,8 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Tokens whose KV the request needs: prompt plus every output token so far."""
-        return len(self.prompt_token_ids) + self.num_output_tokens
+        lane = self.lane  # num_output_tokens, inlined: read per request per step
+        return len(self.prompt_token_ids) + (self._num_output if lane is None else self._num_output + lane.clock)
 
     @property
     def max_total_tokens(self) -> int:

@@ -63,8 +63,8 @@ class PlanBuilder:
 
     def add_prefill(self, request: Request, n: int, loads: tuple[int, ...] | list[int] = ()) -> None:
         """A chunk of ``n`` tokens; ``loads``: the cached blocks a just admitted request starts from."""
-        remaining = request.num_tokens - request.num_computed_tokens
-        self.prefills[request.request_id] = (n, request.num_computed_tokens, n == remaining)
+        computed = request.num_computed_tokens
+        self.prefills[request.request_id] = (n, computed, n == request.num_tokens - computed)
         self.budget -= n
         if self.state.kv.caching:
             if loads:
