@@ -152,20 +152,29 @@ class PhysicalCostModel:
     step_overhead_s: float = 0.0
     fingerprint: str | None = None
     info: dict = field(default_factory=dict)
+    # prefix caching's copies: measured seconds per token copied over the roofline time of moving
+    # that token's KV once (calibration/kv_copy.py), so it scales to other shapes and machines
+    kv_copy_efficiency: float = 0.0
     _decode_fixed: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.coefficients) != len(PHYSICAL_FEATURES):
             raise ValueError(f"need {len(PHYSICAL_FEATURES)} coefficients, got {len(self.coefficients)}")
-        if any(c < 0 for c in self.coefficients) or self.step_overhead_s < 0:
+        if any(c < 0 for c in self.coefficients) or self.step_overhead_s < 0 or self.kv_copy_efficiency < 0:
             raise ValueError("efficiencies and step overhead must be non-negative")
+
+    @property
+    def kv_copy_s_per_token(self) -> float:
+        """Seconds per KV token loaded or stored (plan.kv_copy_tokens) on this shape and machine."""
+        return self.kv_copy_efficiency * self.shape.kv_bytes_per_token / (self.machine.memory_gb_s * 1e9)
 
     def predict(self, plan: BatchPlan) -> float:
         if not plan.ids:
             return self.predict_decodes(plan.lane_size, plan.lane_context_sum)
         if not plan.num_prefills:
             return self.predict_decodes(plan.num_decodes, plan.decode_context_sum)
-        return sum(c * x for c, x in zip(self.coefficients, physical_features(plan, self.shape, self.machine)))
+        call = sum(c * x for c, x in zip(self.coefficients, physical_features(plan, self.shape, self.machine)))
+        return call + self.kv_copy_s_per_token * plan.kv_copy_tokens if plan.kv_copy_tokens else call
 
     def predict_decodes(self, num_decodes: int, context_sum: int) -> float:
         fixed, per_context = self.decode_cost_terms(num_decodes)
@@ -220,9 +229,12 @@ class PhysicalCostModel:
                                        "recalibrate")
         if tuple(block["feature_names"]) != PHYSICAL_FEATURES:
             raise ProfileMismatchError("the profile's physical features are not this version's; recalibrate")
-        return cls(tuple(block["coefficients"]), PhysicalShape(**block["shape"]), Machine(**block["machine"]),
-                   data.get("step_overhead_s", 0.0), data.get("fingerprint"),
-                   {k: v for k, v in data.items() if k not in ("feature_names", "coefficients", "physical")})
+        shape, machine = PhysicalShape(**block["shape"]), Machine(**block["machine"])
+        copy_roofline_s = shape.kv_bytes_per_token / (machine.memory_gb_s * 1e9)  # one token's KV, moved once
+        return cls(tuple(block["coefficients"]), shape, machine, data.get("step_overhead_s", 0.0),
+                   data.get("fingerprint"),
+                   {k: v for k, v in data.items() if k not in ("feature_names", "coefficients", "physical")},
+                   data.get("kv_copy_s_per_token", 0.0) / copy_roofline_s)
 
 
 AnyCostModel = CostModel | PhysicalCostModel

@@ -2,6 +2,7 @@
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -145,6 +146,26 @@ def test_a_physical_profile_transfers_to_another_shape_and_says_so(tmp_path, cap
     # a Qwen3 shape runs the same lean layers and kernels: a transfer like any other
     qwen3 = load_cost_model(profile, ModelConfig(name="qwen3_0_6b", dtype="bfloat16"))
     assert "same_code_path" not in qwen3.info["transfer"] and "transferring" in qwen3.info["cost_model_note"]
+
+
+def test_the_physical_model_charges_prefix_copies_by_kv_bytes_and_bandwidth(tmp_path):
+    """A profile's measured copy cost is charged as the empirical model does on its own model,
+    and moves with the KV bytes per token of another shape and with a what-if bandwidth."""
+    data = json.loads(Path(save_profile(tmp_path / "p.json", Q05)).read_text())
+    data["kv_copy_s_per_token"] = 2e-7
+    own = PhysicalCostModel.from_profile(data)
+    plan = BatchPlan.of("t", ["a"], (32,), (0,), (True,), 0)
+    copied = BatchPlan.of("t", ["a"], (32,), (0,), (True,), 0)
+    copied.kv_copy_tokens = 64
+    assert own.kv_copy_s_per_token == pytest.approx(2e-7)
+    assert own.predict(copied) - own.predict(plan) == pytest.approx(64 * 2e-7)
+    q3 = own.for_model(PhysicalShape.of(model_shape(ModelConfig(name="qwen3_0_6b")), "bfloat16"), None, {})
+    ratio = q3.shape.kv_bytes_per_token / own.shape.kv_bytes_per_token  # 114688 / 12288 bytes
+    assert q3.kv_copy_s_per_token == pytest.approx(2e-7 * ratio)
+    faster = own.with_machine(memory_gb_s=2 * own.machine.memory_gb_s)
+    assert faster.kv_copy_s_per_token == pytest.approx(1e-7)
+    data.pop("kv_copy_s_per_token")  # a profile from before copies were measured charges nothing
+    assert PhysicalCostModel.from_profile(data).predict(copied) == PhysicalCostModel.from_profile(data).predict(plan)
 
 
 def test_an_empirical_profile_of_another_model_is_still_refused(tmp_path):
