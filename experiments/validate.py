@@ -20,7 +20,9 @@ Per metric: the real median, min, max and coefficient of variation; the determin
 error against the median; a row passes when |sim − median| ≤ max(tolerance, half the real spread
 (max − min) / 2, relative to the median). With ``bands.replicates=N``, N simulations with call
 times drawn from the profile's measured noise give each metric's 5–95% band; coverage is the share
-of real runs inside it. Writes DIR/validation.csv, DIR/real_runs.csv (every attempt) and DIR/real_runs.json (also each
+of real runs inside it. Each timing metric also gets a leave-one-row-out band (sim.bands.conformal_band:
+the row's simulation scaled by the 5–95% spread of real/simulated over every other row's real runs)
+and its coverage: the band a user of this simulator on this machine can expect. Writes DIR/validation.csv, DIR/real_runs.csv (every attempt) and DIR/real_runs.json (also each
 run's requests: ``real_runs=DIR/real_runs.json`` simulates against the same runs again) and prints the table.
 Without a profile, a quick calibration runs first. ``use_run_bandwidth=true`` times each row's
 simulation with the profile's physical model priced at the median bandwidth stamped around that
@@ -53,7 +55,7 @@ from engine.observe.trace import parse_label, summarize_calls
 from engine.observe.workload import WorkloadConfig, generate, make_requests
 from experiments.report_table import format_table
 from experiments.schema import register, to_object
-from sim.bands import band, inside, replicates, width
+from sim.bands import BAND_METRICS, band, conformal_band, inside, replicates, width
 from sim.run import load_cost_model, saturation_rate
 from sim.simulator import simulate
 from sim.executors import CostModelExecutor
@@ -288,7 +290,7 @@ def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict]
                "contended_runs": sum(r["contended"] for r in used), "reruns": len(runs) - len(used),
                "sim": sim, "rel_error": err, "tolerance": tolerance[kind], "allowed": allowed, "ok": ok,
                "memory_gb_s": statistics.median(r["memory_gb_s"] for r in used),
-               "calibration_memory_gb_s": calibration_gb_s}
+               "calibration_memory_gb_s": calibration_gb_s, "_real": real}
         if replicate_m:
             b = band([float(read(m)) for m in replicate_m])
             rec.update(band_p5=b["p5"], band_p50=b["p50"], band_p95=b["p95"], band_width=width(b),
@@ -337,9 +339,27 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
               f"{statistics.median(r['metrics']['output_throughput_tok_s'] for r in used):.2f} (median of {len(used)}) "
               f"vs sim {sim_m['output_throughput_tok_s']:.2f} out tok/s; contended {sum(r['contended'] for r in used)}, "
               f"re-run {len(mine) - len(used)}", flush=True)
-    df = pd.DataFrame.from_records(records)
+    add_conformal_bands(records)
+    df = pd.DataFrame.from_records([{k: v for k, v in rec.items() if k != "_real"} for rec in records])
     df.to_csv(out_dir / "validation.csv", index=False)
     return df
+
+
+def add_conformal_bands(records: list[dict], level: float = 0.90) -> None:
+    """Each timing metric's leave-one-row-out band (sim.bands.conformal_band: the row's simulation
+    scaled by how far every other row's real runs fell from theirs) and how many of the row's
+    real runs it holds. Needs the real runs of two other rows."""
+    for rec in records:
+        if rec["metric"] not in BAND_METRICS or not rec["sim"] > 0:
+            continue
+        ratios = [v / other["sim"] for other in records
+                  if other is not rec and other["metric"] == rec["metric"] and other["sim"] > 0
+                  for v in other["_real"] if v > 0]
+        if len(ratios) < 2:
+            continue
+        b = conformal_band(rec["sim"], ratios, level)
+        rec.update(conformal_p5=b["p5"], conformal_p95=b["p95"], conformal_width=width(b),
+                   conformal_hits=sum(inside(v, b) for v in rec["_real"]))
 
 
 def format_validation(df: pd.DataFrame) -> str:
@@ -351,18 +371,25 @@ def format_validation(df: pd.DataFrame) -> str:
         errs = sel.rel_error.abs()
         line = [metric, f"{errs.median():.1%}", f"{errs.max():.1%}", f"{sel.tolerance.iloc[0]:.0%}",
                 f"{int(sel.ok.sum())}/{len(sel)}", f"{sel.real_cv.median():.1%}"]
-        if "band_hits" in sel:
-            line += [f"{sel.band_hits.sum() / sel.real_runs.sum():.0%}", f"{sel.band_width.median():.1%}"]
+        for kind in ("band", "conformal"):
+            if f"{kind}_hits" in sel:
+                has = sel[sel[f"{kind}_hits"].notna()]
+                line += ([f"{has[f'{kind}_hits'].sum() / has.real_runs.sum():.0%}", f"{has[f'{kind}_width'].median():.1%}"]
+                         if len(has) else ["", ""])
         rows.append(line)
     head = ["metric", "median |err|", "worst |err|", "tolerance", "pass", "real CV"]
     if "band_hits" in df:
         head += ["in 90% band", "band width"]
+    if "conformal_hits" in df:
+        head += ["in LORO band", "LORO width"]
     return format_table(head, rows)
 
 
-def coverage(df: pd.DataFrame) -> float:
-    """Share of real runs' metrics inside the simulated 5–95% band."""
-    return float(df.band_hits.sum() / df.real_runs.sum())
+def coverage(df: pd.DataFrame, kind: str = "band") -> float:
+    """Share of real runs' metrics inside the ``kind`` band: ``band`` (the replicates' 5–95%) or
+    ``conformal`` (leave-one-row-out); over the metrics that have one."""
+    has = df[df[f"{kind}_hits"].notna()]
+    return float(has[f"{kind}_hits"].sum() / has.real_runs.sum())
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="validate")
@@ -374,7 +401,8 @@ def main(cfg) -> None:
     flagged = int((df[df.metric == METRICS[0][0]].contended_runs > 0).sum())
     print(f"\n{int(df.ok.sum())}/{len(df)} comparisons within max(tolerance, half the real spread); "
           f"{flagged} rows kept a contended run (flagged)"
-          + (f"; band coverage {coverage(df):.0%}" if "band_hits" in df else "")
+          + (f"; band coverage {coverage(df):.0%} (replicates)" if "band_hits" in df else "")
+          + (f", {coverage(df, 'conformal'):.0%} (leave-one-row-out)" if "conformal_hits" in df else "")
           + f"; wrote {out_dir / 'validation.csv'}")
 
 

@@ -1,10 +1,19 @@
-"""Prediction bands: the same workload simulated N times with call times drawn from the profile's
-measured noise (sim.executors.NoisyExecutor), each replicate seeded, and each metric's 5th, 50th
-and 95th percentile over the replicates. A real run inside the 5–95 band is as the simulator
-expects; validate counts how often that holds (coverage)."""
+"""Prediction bands, two kinds.
+
+- Replicates: the same workload simulated N times with call times drawn from the profile's
+  measured noise (sim.executors.NoisyExecutor), each replicate seeded, and each metric's 5th, 50th
+  and 95th percentile over them. They hold the noise a calibration sees in minutes (call to call,
+  round to round), not the slower drift of a shared machine between runs.
+- Leave-one-row-out (split conformal): a row's deterministic prediction times the 5th and 95th
+  percentiles of real/simulated over the real runs of every *other* row of a validation. Whatever
+  moves real runs away from the simulation on this machine (drift, the simulator's own error) is
+  in them, and they are as wide as that needs and no wider.
+
+A real run inside a band is as the simulator expects; validate counts how often that holds (coverage)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -57,3 +66,17 @@ def inside(value: float, b: Mapping[str, float]) -> bool:
 def width(b: Mapping[str, float]) -> float:
     """The band's width relative to its median: (p95 − p5) / p50."""
     return (b["p95"] - b["p5"]) / b["p50"] if b["p50"] else float("nan")
+
+
+def conformal_band(prediction: float, other_ratios: Sequence[float], level: float = 0.90) -> dict[str, float]:
+    """{"p5", "p50", "p95"}: ``prediction`` scaled by the order statistics of the other rows'
+    real/simulated ratios that bound a ``level`` share of them with the split-conformal
+    finite-sample correction (rank ⌈(n+1)(1+level)/2⌉ from below, its mirror from above)."""
+    r = np.sort(np.log(np.asarray(other_ratios, dtype=float)))
+    n = len(r)
+    if n < 2:
+        raise ValueError("a conformal band needs the real runs of at least two other comparisons")
+    hi = min(n, math.ceil((n + 1) * (1 + level) / 2)) - 1
+    lo = n - 1 - hi
+    return {"p5": prediction * math.exp(r[lo]), "p50": prediction * math.exp(float(np.median(r))),
+            "p95": prediction * math.exp(r[hi])}

@@ -118,6 +118,10 @@ def test_tiny_validation_writes_the_error_table(tmp_path, tiny_profile):
     assert runs.contended.all() and runs.reason.str.contains("cores").all()
     assert (df.contended_runs == 2).all() and (df.reruns == 2).all()  # flagged, never silently averaged
     assert "in 90% band" in out.stdout and "band coverage" in out.stdout
+    timing = df[df.metric.isin(["output_throughput", "ttft_p50", "e2e_p99"])]  # leave-one-row-out bands
+    assert (timing.conformal_p5 <= timing.conformal_p95).all() and (timing.conformal_hits <= timing.real_runs).all()
+    assert df[df.metric == "model_calls"].conformal_hits.isna().all()  # counts, not times: none
+    assert "in LORO band" in out.stdout and "(leave-one-row-out)" in out.stdout
     assert set(df.workload) == {"seed_burst", "poisson@0.5"} and set(df.scheduler) == {"static", "continuous"}
     assert len(df) == 4 * 9
     # the burst's plans are the pure policy's in both runs, so its call counts agree exactly

@@ -12,7 +12,7 @@ from engine.core.config import SchedulerConfig
 from engine.core.request import Request
 from experiments.validate import Contention, contended, counted, row_passes
 from sim import CostModelExecutor, simulate
-from sim.bands import band, bands, inside, replicates, width
+from sim.bands import band, bands, conformal_band, inside, replicates, width
 from sim.executors import NoisyExecutor, cost_model_from
 
 
@@ -127,6 +127,18 @@ def test_band_is_the_5th_50th_95th_percentile_and_coverage_counts_ends():
     assert width(b) == pytest.approx(0.9 * 100 / 50)
     assert set(bands([{"output_throughput_tok_s": 1.0, "ttft_s": {"p50": 1, "p99": 2}, "tpot_s": {"p50": 1, "p99": 1},
                        "e2el_s": {"p50": 1, "p99": 1}}])) >= {"output_throughput", "ttft_p50", "e2e_p99"}
+
+
+def test_the_leave_one_row_out_band_scales_the_prediction_by_the_other_rows_spread():
+    # 99 other runs fell 0.80 … 1.78 of their simulation: the band holds 90% of such ratios
+    ratios = [0.8 + 0.01 * i for i in range(99)]
+    b = conformal_band(10.0, ratios)
+    assert b["p5"] == pytest.approx(10.0 * 0.8 + 10.0 * 0.01 * 4)  # the 5th smallest of 99, rank ⌊0.05·100⌋
+    assert b["p95"] == pytest.approx(10.0 * (0.8 + 0.01 * 94))  # the 95th, rank ⌈0.95·100⌉
+    assert b["p5"] < b["p50"] < b["p95"] and sum(b["p5"] <= 10 * r <= b["p95"] for r in ratios) == 91
+    assert conformal_band(10.0, [1.0, 1.0])["p5"] == conformal_band(10.0, [1.0, 1.0])["p95"] == 10.0
+    with pytest.raises(ValueError, match="at least two"):
+        conformal_band(10.0, [1.0])
 
 
 def test_noise_widens_the_band_around_the_deterministic_run():
