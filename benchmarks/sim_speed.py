@@ -1,7 +1,7 @@
 """How fast the simulator runs: Poisson requests (prompt lognormal ~512, output lognormal ~128)
 through the continuous scheduler (max_num_seqs 64), at 10k and 100k requests (1M with --million).
 
-    flock /tmp/miniserve-bench.lock python benchmarks/sim_speed.py [--profile PROFILE] [--million]
+    flock /tmp/miniserve-bench.lock python benchmarks/sim_speed.py [--profile PROFILE] [--million] [--against DIR]
 
 Each size runs in a fresh process (clean peak-memory numbers), ``--repeats`` times; the median
 wall time is reported. Without --profile the step costs are the explicit stand-in coefficients
@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+HERE = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(HERE))
 
 from calibration.cost_model import CostModel  # noqa: E402
 from engine.core.config import SchedulerConfig  # noqa: E402
@@ -80,6 +81,9 @@ def main() -> None:
     ap.add_argument("--load", type=float, default=0.7, help="arrival rate / saturation throughput")
     ap.add_argument("--million", action="store_true", help="also run 1,000,000 requests")
     ap.add_argument("--repeats", type=int, default=3, help="runs per size below 1M (median reported)")
+    ap.add_argument("--against", metavar="CHECKOUT",
+                    help="another checkout (e.g. an older commit's worktree): each run alternates with one "
+                         "there at the same rate, and both medians and their ratio are printed")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # child: one run of this size
     ap.add_argument("--rate", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--keep-steps", action="store_true", help=argparse.SUPPRESS)
@@ -97,14 +101,25 @@ def main() -> None:
     print(f"continuous, max_num_seqs {SCHEDULER.max_num_seqs}, max_num_batched_tokens "
           f"{SCHEDULER.max_num_batched_tokens}; saturation {sat:.2f} req/s; Poisson at {rate:.2f} req/s "
           f"({args.load:.0%} load)")
+    def one(n: int, checkout: Path, *extra: str) -> dict:
+        """One run in a fresh process of ``checkout``'s benchmark (its own code on its path)."""
+        cmd = [sys.executable, str(checkout / "benchmarks" / "sim_speed.py"), "--one", str(n), "--rate", repr(rate),
+               *extra] + (["--profile", str(Path(args.profile).resolve())] if args.profile else [])
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=checkout)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
     def median_wall(n: int, repeats: int, *extra: str) -> tuple[float, list[dict]]:
-        runs = []
+        runs, other = [], []
         for _ in range(repeats):
-            cmd = [sys.executable, __file__, "--one", str(n), "--rate", repr(rate), *extra]
-            if args.profile:
-                cmd += ["--profile", args.profile]
-            runs.append(json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout))
-        return statistics.median(r["wall_s"] for r in runs), runs
+            runs.append(one(n, HERE, *extra))
+            if args.against and not extra:  # alternate, so a slow spell of the machine hits both
+                other.append(one(n, Path(args.against).resolve()))
+        wall = statistics.median(r["wall_s"] for r in runs)
+        if other:
+            then = statistics.median(r["wall_s"] for r in other)
+            print(f"n={n:>9,}  against {args.against}: {n / wall:,.0f} vs {n / then:,.0f} simulated req/s "
+                  f"({then / wall:.2f}x), medians of {len(runs)} alternating runs")
+        return wall, runs
 
     sizes = [10_000, 100_000] + ([1_000_000] if args.million else [])
     headline = None
