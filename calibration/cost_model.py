@@ -168,15 +168,23 @@ class CostModel:
             return self.predict_decodes(plan.num_decodes, plan.decode_context_sum)
         prefill_tokens, decodes, decode_context, prefill_attention, requests, samples = plan_quantities(plan)
         c = self.coefficients
-        tokens_part = self._tokens_part.get(prefill_tokens + decodes)  # the tents, remembered per count
-        if tokens_part is None:
-            tokens_part = self._tokens_part[prefill_tokens + decodes] = _tent_dot(
-                prefill_tokens + decodes, TOKEN_KNOTS, c, _TOKENS_AT)
-        samples_part = self._samples_part.get(samples)
-        if samples_part is None:
-            samples_part = self._samples_part[samples] = _tent_dot(samples, SAMPLE_KNOTS, c, _SAMPLES_AT)
         return (c[0] + c[1] * prefill_tokens + c[2] * decodes + c[3] * decode_context + c[4] * prefill_attention
-                + c[5] * requests + tokens_part + samples_part + self.kv_copy_s_per_token * plan.kv_copy_tokens)
+                + c[5] * requests + self._tokens_tent(prefill_tokens + decodes) + self._samples_tent(samples)
+                + self.kv_copy_s_per_token * plan.kv_copy_tokens)
+
+    def _tokens_tent(self, tokens: int) -> float:
+        """The tokens@K terms of a call of ``tokens`` tokens, remembered per count."""
+        part = self._tokens_part.get(tokens)
+        if part is None:
+            part = self._tokens_part[tokens] = _tent_dot(tokens, TOKEN_KNOTS, self.coefficients, _TOKENS_AT)
+        return part
+
+    def _samples_tent(self, samples: int) -> float:
+        """The samples@K terms of a call sampling ``samples`` rows, remembered per count."""
+        part = self._samples_part.get(samples)
+        if part is None:
+            part = self._samples_part[samples] = _tent_dot(samples, SAMPLE_KNOTS, self.coefficients, _SAMPLES_AT)
+        return part
 
     def predict_decodes(self, num_decodes: int, context_sum: int) -> float:
         """``predict`` of a call that decodes ``num_decodes`` requests (contexts summing to
@@ -195,8 +203,8 @@ class CostModel:
         if fixed is None:
             c = self.coefficients
             fixed = self._decode_fixed[num_decodes] = (
-                c[0] + c[2] * num_decodes + c[5] * num_decodes + _tent_dot(num_decodes, TOKEN_KNOTS, c, _TOKENS_AT)
-                + _tent_dot(num_decodes, SAMPLE_KNOTS, c, _SAMPLES_AT))
+                c[0] + c[2] * num_decodes + c[5] * num_decodes + self._tokens_tent(num_decodes)
+                + self._samples_tent(num_decodes))
         return fixed, self.coefficients[3]
 
     @property

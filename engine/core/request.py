@@ -159,9 +159,6 @@ class Request:
         the first gap of each stay in the decode lane (from the token before it) and every gap
         outside one. Together with the uniform gaps they are every gap exactly once."""
         times = self._times if self.lane is None else self.token_times_s
-        runs = self.lane_runs
-        if len(runs) == 1 and runs[0][0] == 1 and runs[0][1] == len(times) - 1:  # the usual life: one stay
-            return [times[1] - times[0]]  # from the first token (a prefill's) to the lane's first
         gaps = []
         i = 1
         for first, count in self.lane_runs:

@@ -112,6 +112,7 @@ class ServingState:
         """Running requests with prompt (or recompute) tokens left, in running order."""
         if len(self.lane.members) == len(self.running):  # every running request decodes together
             return []
+        # a lane member decodes: the attribute test spares most of them the property
         return [r for r in self.running if r.lane is None and not r.is_decoding]
 
     def decode_together(self) -> tuple[int, int, LaneIds] | None:
