@@ -48,7 +48,7 @@ def kernel_rates(runner: ModelRunner, gemv, dtype, rows_list, passes: int) -> No
 
         def mine():
             for panels, _, _ in seq:
-                gemv(xs[panels.k], panels, None)
+                gemv(xs[panels.k], panels, None, dispatch.row_block(panels.k, esize), dispatch.k_block(esize))
 
         times = time_alternating([onednn, mine], passes, warm=1)
         ta, tb = statistics.median(times[0]), statistics.median(times[1])

@@ -104,15 +104,16 @@ def test_the_raw_ops_obey_the_features_the_engine_allows():
 @settings(max_examples=60, deadline=None)
 @given(dtype=st.sampled_from([d for d, ok in EXPECTED.items() if ok] or [torch.float32]), rows=st.integers(1, 150),
        k=st.integers(1, 300), n=st.integers(1, 300), bias=st.booleans(), seed=st.integers(0, 2**16),
-       block=st.sampled_from([8, 16, 64]))
-def test_gemv_equals_the_exact_product_up_to_rounding(dtype, rows, k, n, bias, seed, block):
+       block=st.sampled_from([8, 16, 64]), k_block=st.sampled_from([2, 6, 64, 384]))
+def test_gemv_equals_the_exact_product_up_to_rounding(dtype, rows, k, n, bias, seed, block, k_block):
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    y = kernels.gemv(dtype)(x, kernels.pack_panels(w), b, block)
+    y = kernels.gemv(dtype)(x, kernels.pack_panels(w), b, block, k_block)
     assert y.shape == (rows, n) and y.dtype == dtype
-    # the row block changes which rows share a pass over the weights, never a row's sums
-    assert torch.equal(y, kernels.gemv(dtype)(x, kernels.pack_panels(w), b, 64))
+    # the row block changes which rows share a pass over the weights, the k block how much of K a
+    # pass covers before the next rows' turn, never a row's sums
+    assert torch.equal(y, kernels.gemv(dtype)(x, kernels.pack_panels(w), b, 64, 1 << 20))
     ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
     # fp32: summation order only; bf16: also the one rounding of the fp32 sum to bf16 (2^-8 relative)
     scale = x.double().abs() @ w.double().abs().T + (b.double().abs() if b is not None else 0)
@@ -152,6 +153,7 @@ def _case(x, w, bias=None, n=None, k=None):
     (lambda: _case(torch.randn(1, 8), torch.randn(4, 8), torch.randn(8)[::2]), "bias must be"),
     (lambda: _case(torch.randn(1, 8), torch.randn(4, 8), torch.randn(4).bfloat16()), "bias must be"),
     (lambda: _case(torch.randn(8), torch.randn(4, 8)), "2-D"),
+    (lambda: (*_case(torch.randn(1, 8), torch.randn(4, 8)), 64, 3), "k_block must be even"),
 ])
 def test_bad_input_is_a_clear_error(make, message):
     kernels.gemv(torch.float32)  # built and registered

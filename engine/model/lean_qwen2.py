@@ -56,6 +56,7 @@ class Projection:
     plain: torch.Tensor | None  # F.linear's
     bias: torch.Tensor | None
     row_block: int
+    k_block: int
 
 
 def _weights_moved(*args, **kwargs):
@@ -136,7 +137,8 @@ class LeanQwen2:
             out.append(Projection(
                 n, kernels.pack_panels(w, out=buf) if "gemv" in need else None,
                 dispatch.onednn_pack(w) if "onednn" in need else None,
-                plain, None if bias is None else bias.detach(), dispatch.row_block(k, esize)))
+                plain, None if bias is None else bias.detach(), dispatch.row_block(k, esize),
+                dispatch.k_block(esize)))
             del w
             for m in mods:  # F.linear's plain weight is the parameter itself: kept as it is
                 if m.weight.data_ptr() not in (keep_ptr, None if plain is None else plain.data_ptr()):
@@ -158,7 +160,7 @@ class LeanQwen2:
             return x.new_empty(0, p.n)
         choice = self._by_rows[rows] if rows < len(self._by_rows) else self.choices[-1]
         if choice == "gemv":
-            return self.gemv(x.contiguous(), p.panels, p.bias, p.row_block)
+            return self.gemv(x.contiguous(), p.panels, p.bias, p.row_block, p.k_block)
         if choice == "onednn":
             return dispatch.onednn_linear(x, p.packed, p.bias)
         return F.linear(x, p.plain, p.bias)

@@ -1,6 +1,6 @@
 """The engine's own CPU kernels, compiled once per machine at first use.
 
-- ``gemv(dtype)`` (gemv.cpp): a function (x, Panels, bias, row_block) -> y, made for decode-sized
+- ``gemv(dtype)`` (gemv.cpp): a function (x, Panels, bias, row_block, k_block) -> y, made for decode-sized
   linears (it reads the weights at memory speed); ``pack_panels`` lays a weight out for it,
   ``panel_rows`` reads rows of it back (a tied embedding).
 - ``decode_attention(dtype, head_dim)`` (decode_attention.cpp): every decoding request's one query
@@ -231,8 +231,9 @@ def gemv(dtype: torch.dtype):
     _agree("gemv", torch.ops.miniserve.gemv_supported(dtype))
     op = torch.ops.miniserve.gemv.default
 
-    def run(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None, row_block: int = 64) -> torch.Tensor:
-        return op(x, panels.data, bias, panels.n, panels.k, row_block)
+    def run(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None, row_block: int = 64,
+            k_block: int = 256) -> torch.Tensor:
+        return op(x, panels.data, bias, panels.n, panels.k, row_block, k_block)
 
     return run
 

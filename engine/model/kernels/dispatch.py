@@ -45,7 +45,7 @@ LINEAR = ("gemv", "onednn", "torch")
 ATTENTION = ("kernel", "sdpa")
 ROW_CLASSES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 FORCE_ENV = "MINISERVE_DISPATCH"
-VERSION = 2  # bump when what is measured or how it is chosen changes
+VERSION = 3  # bump when what is measured or how it is chosen changes
 log = logging.getLogger("miniserve.dispatch")
 
 
@@ -74,6 +74,14 @@ def row_block(k: int, element_size: int) -> int:
     byte feeds 32-64 FLOPs, past any CPU's FLOP/byte balance) and a multiple of 8 (the register block)."""
     l2 = cache_sizes().get("L2", 1 << 20)
     return max(64, (l2 // 2) // max(1, k * element_size) // 8 * 8)
+
+
+def k_block(element_size: int) -> int:
+    """k steps of a panel the gemv multiplies into every 8 rows of a pass before moving on: as many
+    as fill this core's L1 (32 outputs' weights per step), so the later row blocks read them from L1;
+    even (bf16 steps are k pairs) and at least 64."""
+    l1 = cache_sizes().get("L1", 32 << 10)
+    return max(64, l1 // (kernels.PANEL * element_size) // 2 * 2)
 
 
 # -- the table ---------------------------------------------------------------------------------
@@ -213,11 +221,11 @@ def measure_linear(dtype: torch.dtype, repeats: int = 9) -> dict[int, dict[str, 
     gemv = kernels.gemv(dtype)
     panels = kernels.pack_panels(w) if "gemv" in cands else None
     packed = onednn_pack(w) if "onednn" in cands else None
-    block = row_block(k, esize)
+    block, k_steps = row_block(k, esize), k_block(esize)
     out: dict[int, dict[str, float]] = {}
     for rows in ROW_CLASSES:
         x = torch.randn(rows, k, generator=g).to(dtype)
-        fns = {"gemv": lambda: gemv(x, panels, bias, block), "onednn": lambda: onednn_linear(x, packed, bias),
+        fns = {"gemv": lambda: gemv(x, panels, bias, block, k_steps), "onednn": lambda: onednn_linear(x, packed, bias),
                "torch": lambda: F.linear(x, w, bias)}
         out[rows] = _fastest_alternating({c: fns[c] for c in cands}, repeats if rows <= 64 else 3)
     return out

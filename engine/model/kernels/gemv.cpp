@@ -4,21 +4,19 @@
 // and measures the kernel against oneDNN and F.linear at each row count before the engine uses it).
 //
 // Why: a decode step reads every weight once and does little arithmetic with it, so at a few rows
-// its time is how fast the weights stream from memory. At 1-8 rows oneDNN's linear reads the 0.5B
-// model's weights at 23-31 GB/s on this 2-core VM (least at 1, 2 and 8 rows), below what a plain
-// sweep of the same bytes reaches. Here each weight byte is loaded once, in address order, and
-// used for up to 8 rows while it is in a register: w is stored as panels of 32 output columns
-// (engine/kernels/__init__.py pack_panels), so one k step of a panel is two vectors holding 32
-// outputs' weights; each row's x[k] is broadcast and multiplied in (fp32 FMA; bf16 AVX512-BF16
-// dot products over k pairs, summed in fp32 as oneDNN's bf16 matmul does, except that these
-// instructions flush bf16 denormals to zero). Past 8 rows a panel is multiplied into the rows 8 at
-// a time while it sits in cache, so the weights still come from memory once and the work becomes
-// FMA-bound: 90% of this CPU's fp32 peak and 91% of its bf16 peak at 32 rows, where oneDNN reaches
-// 83% and 81%. Accumulators stay in registers for the whole K, so there are no reductions across
-// lanes; with one running sum per output the fp32 error grows with K a little faster than
-// oneDNN's blocked sums (~1e-5 on the 0.5B model's logits). Each thread takes a contiguous run of
-// panels: one forward stream. The bias is added in fp32 and the result rounded once to the input
-// dtype. benchmarks/gemv_kernel.py measures it against oneDNN.
+// its time is how fast the weights stream from memory, and oneDNN's linear reads them below what a
+// plain sweep of the same bytes reaches (docs/architecture.md has the figures). Here each weight
+// byte is loaded once, in address order, and used for up to 8 rows while it is in a register: w is
+// stored as panels of 32 output columns (engine/kernels/__init__.py pack_panels), so one k step of
+// a panel is two vectors holding 32 outputs' weights; each row's x[k] is broadcast and multiplied
+// in (fp32 FMA; bf16 AVX512-BF16 dot products over k pairs, summed in fp32 as oneDNN's bf16 matmul
+// does, except that these instructions flush bf16 denormals to zero). Past 8 rows a panel's k
+// block is multiplied into the rows 8 at a time while it sits in L1, so the weights still come from
+// memory once and the work becomes FMA-bound. Each output keeps one running sum in k order (in
+// registers over a k block, in L1 between blocks), so there are no reductions across lanes and the
+// blocking changes no rounding; the fp32 error grows with K a little faster than oneDNN's blocked
+// sums (~1e-5 on the 0.5B model's logits). The bias is added in fp32 and the result rounded once to
+// the input dtype. benchmarks/gemv_kernel.py measures it against oneDNN.
 //
 // Built at first use by engine/kernels/__init__.py (torch.utils.cpp_extension). The kernels are
 // compiled for AVX-512 with target attributes and only run where the CPU has it
@@ -33,6 +31,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "simd.h"
 
@@ -49,71 +48,93 @@ bool cpu_has(bool bf16) {  // bf16 also needs AVX512-BF16's dot products
   return bf16 ? cpu_has_avx512_bf16() : cpu_has_avx512();
 }
 
+// One block of M rows times one panel over the weights' k range [k0, k1): the running sums come
+// from `part` (M × 32 fp32; zero when k0 == 0) and go back to it, so splitting K changes no
+// rounding. With `prefetch`, each k step also asks for the weights `ahead` k steps on (past this
+// panel's end that is the next panel's start: panels are contiguous).
 // wp: (panels, K, 32) fp32
 template <int M>
-MINISERVE_TARGET void panels_f32(const float* x, const float* wp, const float* bias,
-                                                                  float* y, int64_t p0, int64_t p1, int64_t K,
-                                                                  int64_t N) {
-  for (int64_t p = p0; p < p1; ++p) {
-    const float* w = wp + p * K * kPanel;
-    __m512 a0[M], a1[M];
-    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; ++k) {
-      const __m512 w0 = _mm512_loadu_ps(w + k * kPanel), w1 = _mm512_loadu_ps(w + k * kPanel + 16);
-      for (int m = 0; m < M; ++m) {
-        const __m512 xb = _mm512_set1_ps(x[m * K + k]);
-        a0[m] = _mm512_fmadd_ps(w0, xb, a0[m]);
-        a1[m] = _mm512_fmadd_ps(w1, xb, a1[m]);
-      }
+MINISERVE_TARGET void panel_f32(const float* x, int64_t K, const float* w, int64_t k0, int64_t k1, float* part,
+                                bool prefetch, int64_t ahead) {
+  __m512 a0[M], a1[M];
+  for (int m = 0; m < M; ++m) {
+    a0[m] = k0 ? _mm512_loadu_ps(part + m * kPanel) : _mm512_setzero_ps();
+    a1[m] = k0 ? _mm512_loadu_ps(part + m * kPanel + 16) : _mm512_setzero_ps();
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    if (prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + ahead) * kPanel), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + ahead) * kPanel + 16), _MM_HINT_T0);
     }
-    const int64_t n0 = p * kPanel;
-    const __mmask16 k0 = lanes(N - n0), k1 = lanes(N - n0 - 16);
-    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(k0, bias + n0) : _mm512_setzero_ps();
-    const __m512 b1 = bias && k1 ? _mm512_maskz_loadu_ps(k1, bias + n0 + 16) : _mm512_setzero_ps();
+    const __m512 w0 = _mm512_loadu_ps(w + k * kPanel), w1 = _mm512_loadu_ps(w + k * kPanel + 16);
     for (int m = 0; m < M; ++m) {
-      _mm512_mask_storeu_ps(y + m * N + n0, k0, _mm512_add_ps(a0[m], b0));
-      if (k1) _mm512_mask_storeu_ps(y + m * N + n0 + 16, k1, _mm512_add_ps(a1[m], b1));
+      const __m512 xb = _mm512_set1_ps(x[m * K + k]);
+      a0[m] = _mm512_fmadd_ps(w0, xb, a0[m]);
+      a1[m] = _mm512_fmadd_ps(w1, xb, a1[m]);
     }
+  }
+  for (int m = 0; m < M; ++m) {
+    _mm512_storeu_ps(part + m * kPanel, a0[m]);
+    _mm512_storeu_ps(part + m * kPanel + 16, a1[m]);
   }
 }
 
-// wp: (panels, ceil(K / 2), 32, 2) bf16: lane j of a vector holds output j's weights for k pair kk
+// The same over k pairs [kk0, kk1). wp: (panels, ceil(K / 2), 32, 2) bf16: lane j of a vector
+// holds output j's weights for k pair kk.
 template <int M>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16"))) void panels_bf16(
-    const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y, int64_t p0, int64_t p1, int64_t K,
-    int64_t N) {
-  const int64_t pairs = (K + 1) / 2, full = K / 2;
-  for (int64_t p = p0; p < p1; ++p) {
-    const uint16_t* w = wp + p * pairs * kPanel * 2;
-    __m512 a0[M], a1[M];
-    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
-    for (int64_t kk = 0; kk < pairs; ++kk) {
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + kk * kPanel * 2);
-      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kk * kPanel * 2 + 32);
-      for (int m = 0; m < M; ++m) {
-        // x[2kk] in the low half of each 32-bit lane, x[2kk + 1] in the high: broadcast, one dot
-        // product. The last pair of an odd K has no x[2kk + 1] (its weights there are 0).
-        uint32_t pair;
-        if (kk < full) {
-          std::memcpy(&pair, x + m * K + 2 * kk, 4);
-        } else {
-          pair = x[m * K + K - 1];
-        }
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-        a0[m] = _mm512_dpbf16_ps(a0[m], w0, xb);
-        a1[m] = _mm512_dpbf16_ps(a1[m], w1, xb);
-      }
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16"))) void panel_bf16(
+    const uint16_t* x, int64_t K, const uint16_t* w, int64_t kk0, int64_t kk1, float* part, bool prefetch,
+    int64_t ahead) {
+  const int64_t full = K / 2;
+  __m512 a0[M], a1[M];
+  for (int m = 0; m < M; ++m) {
+    a0[m] = kk0 ? _mm512_loadu_ps(part + m * kPanel) : _mm512_setzero_ps();
+    a1[m] = kk0 ? _mm512_loadu_ps(part + m * kPanel + 16) : _mm512_setzero_ps();
+  }
+  // x[2kk] in the low half of each 32-bit lane, x[2kk + 1] in the high: broadcast, one dot
+  // product. The last pair of an odd K has no x[2kk + 1] (its weights there are 0): it is done
+  // apart, so the main loop has no branch and its sums stay in registers.
+  const int64_t paired_end = std::min(kk1, full);
+  for (int64_t kk = kk0; kk < paired_end; ++kk) {
+    if (prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (kk + ahead) * kPanel * 2), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (kk + ahead) * kPanel * 2 + 32), _MM_HINT_T0);
     }
-    const int64_t n0 = p * kPanel;
-    const __mmask16 k0 = lanes(N - n0), k1 = lanes(N - n0 - 16);
-    const __m512 b0 = bias ? load16(bias + n0, k0) : _mm512_setzero_ps();
-    const __m512 b1 = bias && k1 ? load16(bias + n0 + 16, k1) : _mm512_setzero_ps();
-    for (int m = 0; m < M; ++m) {  // round to nearest even, once
-      _mm256_mask_storeu_epi16(y + m * N + n0, k0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a0[m], b0)));
-      if (k1) {
-        _mm256_mask_storeu_epi16(y + m * N + n0 + 16, k1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a1[m], b1)));
-      }
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + kk * kPanel * 2);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kk * kPanel * 2 + 32);
+    for (int m = 0; m < M; ++m) {
+      uint32_t pair;
+      std::memcpy(&pair, x + m * K + 2 * kk, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      a0[m] = _mm512_dpbf16_ps(a0[m], w0, xb);
+      a1[m] = _mm512_dpbf16_ps(a1[m], w1, xb);
     }
+  }
+  if (kk1 > full) {  // kk == full: K is odd
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + full * kPanel * 2);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + full * kPanel * 2 + 32);
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * K + K - 1]));
+      a0[m] = _mm512_dpbf16_ps(a0[m], w0, xb);
+      a1[m] = _mm512_dpbf16_ps(a1[m], w1, xb);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    _mm512_storeu_ps(part + m * kPanel, a0[m]);
+    _mm512_storeu_ps(part + m * kPanel + 16, a1[m]);
+  }
+}
+
+// y[rows, panel p's 32 outputs] = the finished sums + bias, rounded once to y's dtype
+template <typename T>
+MINISERVE_TARGET void finish_panel(const float* part, int64_t rows, const T* bias, T* y, int64_t p, int64_t N) {
+  const int64_t n0 = p * kPanel;
+  const __mmask16 k0 = lanes(N - n0), k1 = lanes(N - n0 - 16);
+  const __m512 b0 = bias ? load16(bias + n0, k0) : _mm512_setzero_ps();
+  const __m512 b1 = bias && k1 ? load16(bias + n0 + 16, k1) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < rows; ++m) {
+    store16(y + m * N + n0, _mm512_add_ps(_mm512_loadu_ps(part + m * kPanel), b0), k0);
+    if (k1) store16(y + m * N + n0 + 16, _mm512_add_ps(_mm512_loadu_ps(part + m * kPanel + 16), b1), k1);
   }
 }
 
@@ -140,6 +161,49 @@ void for_chunks(int64_t M, int64_t row_block, Fn&& fn) {
   }
 }
 
+// Each thread takes a contiguous run of panels: one forward stream of weights. Up to 8 rows (a
+// decode step) a panel is multiplied in one sweep of K while its weights stream from memory, each
+// k step asking for the weights kStreamAhead bytes on (past 1 row: the hardware prefetcher alone
+// keeps up with one row's arithmetic, not with eight's). Past 8 rows, K is cut into blocks of
+// `block_steps` k steps (k pairs in bf16; dispatch.k_block sizes them to the L1 cache): every
+// 8-row block of the row_block rows multiplies a k block in turn while it sits in cache, so the
+// weights come from memory once per row_block rows, and every pass asks for the next k block, so
+// it streams in during the arithmetic on this one (without that, memory and arithmetic took
+// turns: at 32 rows the product cost the weight stream plus three quarters of the FLOPs).
+constexpr int64_t kStreamAhead = 16 << 10;
+
+template <typename T, typename Kernel>
+void run_panels(const T* xp, const T* wpp, const T* bp, T* yp, int64_t M, int64_t N, int64_t K, int64_t steps,
+                int64_t block_steps, int64_t row_block, Kernel&& kernel) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  const int64_t grain = std::max<int64_t>(1, panels / std::max(1, at::get_num_threads()));
+  const int64_t step_elems = kPanel * (sizeof(T) == 2 ? 2 : 1), panel_elems = steps * step_elems;
+  for_chunks(M, row_block, [&](int64_t r0, int64_t r1, int64_t last) {
+    const int64_t rows = r1 - r0;
+    const bool blocked = rows > kBlockRows, prefetch = rows > 1;
+    const int64_t block = blocked ? std::max<int64_t>(1, block_steps) : steps;
+    const int64_t ahead = blocked ? block : kStreamAhead / static_cast<int64_t>(step_elems * sizeof(T));
+    at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+      std::vector<float> part(rows * kPanel);  // the running sums of one panel's outputs
+      for (int64_t p = p0; p < p1; ++p) {
+        const T* w = wpp + p * panel_elems;
+        for (int64_t s0 = 0; s0 < steps; s0 += block) {
+          const int64_t s1 = std::min(steps, s0 + block);
+          int64_t r = r0;
+          for (; r + kBlockRows < r1; r += kBlockRows) {
+            kernel(std::integral_constant<int, kBlockRows>{}, xp + r * K, K, w, s0, s1,
+                   part.data() + (r - r0) * kPanel, prefetch, ahead);
+          }
+          for_rows(last, [&](auto m) {
+            kernel(m, xp + r * K, K, w, s0, s1, part.data() + (r - r0) * kPanel, prefetch, ahead);
+          });
+        }
+        finish_panel(part.data(), rows, bp, yp + r0 * N, p, N);
+      }
+    });
+  });
+}
+
 #endif  // MINISERVE_X86
 
 bool gemv_supported(at::ScalarType dtype) {
@@ -151,7 +215,7 @@ bool gemv_supported(at::ScalarType dtype) {
 }
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias, int64_t N,
-               int64_t K, int64_t row_block) {
+               int64_t K, int64_t row_block, int64_t k_block) {
   TORCH_CHECK(gemv_supported(x.scalar_type()), "miniserve::gemv: no kernel for ", x.scalar_type(), " on this CPU");
   TORCH_CHECK(x.dim() == 2, "miniserve::gemv: x must be 2-D (rows, K)");
   TORCH_CHECK(x.is_contiguous() && wp.is_contiguous(), "miniserve::gemv: x and the panels must be contiguous");
@@ -167,6 +231,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
   TORCH_CHECK(M >= 1, "miniserve::gemv: at least one row, got ", M);
   TORCH_CHECK(row_block >= kBlockRows && row_block % kBlockRows == 0, "miniserve::gemv: row_block must be a ",
               "multiple of ", kBlockRows, ", got ", row_block);
+  TORCH_CHECK(k_block >= 2 && k_block % 2 == 0, "miniserve::gemv: k_block must be even and at least 2, got ", k_block);
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
@@ -175,36 +240,16 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
   }
   at::Tensor y = at::empty({M, N}, x.options());
 #ifdef MINISERVE_X86
-  const int64_t grain = std::max<int64_t>(1, panels / std::max(1, at::get_num_threads()));
-  // each thread takes a run of panels; past 8 rows, each panel is multiplied into the rows 8 at a
-  // time while it sits in cache, so the weights stream from memory once per row_block rows (the
-  // rows of x read again for every panel stay in cache)
   if (!bf16) {
-    const float *xp = x.data_ptr<float>(), *wpp = wp.data_ptr<float>();
-    const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
-    float* yp = y.data_ptr<float>();
-    for_chunks(M, row_block, [&](int64_t r0, int64_t r1, int64_t last) {
-      at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
-        for (int64_t p = p0; p < p1; ++p) {
-          int64_t r = r0;
-          for (; r + kBlockRows < r1; r += kBlockRows) panels_f32<kBlockRows>(xp + r * K, wpp, bp, yp + r * N, p, p + 1, K, N);
-          for_rows(last, [&](auto rows) { panels_f32<decltype(rows)::value>(xp + r * K, wpp, bp, yp + r * N, p, p + 1, K, N); });
-        }
-      });
-    });
+    run_panels(x.data_ptr<float>(), wp.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr,
+               y.data_ptr<float>(), M, N, K, K, k_block, row_block,
+               [](auto rows, auto&&... args) { panel_f32<decltype(rows)::value>(args...); });
   } else {
     auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); };
-    const uint16_t *xp = bits(x), *wpp = bits(wp), *bp = has_bias ? bits(*bias) : nullptr;
-    uint16_t* yp = bits(y);
-    for_chunks(M, row_block, [&](int64_t r0, int64_t r1, int64_t last) {
-      at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
-        for (int64_t p = p0; p < p1; ++p) {
-          int64_t r = r0;
-          for (; r + kBlockRows < r1; r += kBlockRows) panels_bf16<kBlockRows>(xp + r * K, wpp, bp, yp + r * N, p, p + 1, K, N);
-          for_rows(last, [&](auto rows) { panels_bf16<decltype(rows)::value>(xp + r * K, wpp, bp, yp + r * N, p, p + 1, K, N); });
-        }
-      });
-    });
+    run_panels(static_cast<const uint16_t*>(bits(x)), static_cast<const uint16_t*>(bits(wp)),
+               has_bias ? static_cast<const uint16_t*>(bits(*bias)) : nullptr, bits(y), M, N, K, (K + 1) / 2,
+               (k_block + 1) / 2, row_block,
+               [](auto rows, auto&&... args) { panel_bf16<decltype(rows)::value>(args...); });
   }
 #endif
   return y;
@@ -222,7 +267,7 @@ void allow_cpu_features(bool avx512, bool avx512_bf16) {
 }  // namespace
 
 TORCH_LIBRARY(miniserve, m) {
-  m.def("gemv(Tensor x, Tensor panels, Tensor? bias, int N, int K, int row_block=64) -> Tensor");
+  m.def("gemv(Tensor x, Tensor panels, Tensor? bias, int N, int K, int row_block=64, int k_block=256) -> Tensor");
   m.def("gemv_supported(ScalarType dtype) -> bool", &gemv_supported);
   m.def("allow_cpu_features(bool avx512, bool avx512_bf16) -> ()", &allow_cpu_features);
 }
