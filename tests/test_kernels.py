@@ -289,7 +289,7 @@ def test_decode_attention_bad_input_is_a_clear_error(make, message):
 
 
 @needs("decode_attention", torch.float32)
-def test_the_engine_attends_a_steps_decodes_in_one_kernel_call_per_layer(monkeypatch):
+def test_the_engine_attends_every_token_of_a_step_in_one_kernel_call_per_layer(monkeypatch):
     monkeypatch.setenv("MINISERVE_DISPATCH", "attention=kernel")  # what is tested, whatever this machine measured
     runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=4, max_model_len=64))
     real, calls = runner.decode_attention, []
@@ -299,16 +299,18 @@ def test_the_engine_attends_a_steps_decodes_in_one_kernel_call_per_layer(monkeyp
     reqs = {f"r{i}": Request(f"r{i}", list(range(1, 20)), 4) for i in range(4)}
     ids = tuple(reqs)
 
-    def run(n, ctx, expected):
+    def run(ids, n, ctx, expected):
         calls.clear()
-        runner.execute(BatchPlan("continuous", ids[:len(n)], n, ctx, (True,) * len(n),
-                                 sum(1 for t in n if t == 1)), reqs)
-        assert calls == expected
+        runner.execute(BatchPlan("continuous", ids, n, ctx, (True,) * len(n), sum(1 for t in n if t == 1)), reqs)
+        assert calls == expected(*[runner._slot_of[r] for r in ids])
 
-    run((8, 8, 8), (0, 0, 0), [])  # prefills: SDPA per chunk, no decodes
-    slots = [runner._slot_of[r] for r in ids[:3]]
-    run((1, 1, 1), (8, 8, 8), [(3, slots, [9, 9, 9])] * layers)  # each decode sees its 8 keys and its own
-    run((1, 1, 6), (9, 9, 0), [(2, slots[:2], [10, 10])] * layers)  # the decodes of a mixed step
+    chunk = list(range(1, 9))  # token j of a chunk at context 0 sees keys 0..j: causal
+    run(("r0", "r1"), (8, 8), (0, 0), lambda a, b: [(16, [a] * 8 + [b] * 8, chunk * 2)] * layers)
+    # each decode sees its 8 keys and its own
+    run(("r0", "r1"), (1, 1), (8, 8), lambda a, b: [(2, [a, b], [9, 9])] * layers)
+    run(("r0", "r2"), (1, 6), (9, 0), lambda a, c: [(7, [a] + [c] * 6, [10, 1, 2, 3, 4, 5, 6])] * layers)
+    run(("r0", "r1", "r2"), (1, 1, 4), (10, 9, 6),  # decodes and a chunk after its context
+        lambda a, b, c: [(6, [a, b] + [c] * 4, [11, 10, 7, 8, 9, 10])] * layers)
 
 
 def test_layer_ops_build_wherever_the_cpu_can_run_them():

@@ -5,11 +5,13 @@ per-step layout (``RaggedBatch``) reaches it as the ``attention_mask`` value of 
 that Qwen2Model passes through unchanged, so no global state is involved.
 
 Two backends, both exact:
-- ``ragged``: all single-token entries (decodes) in ONE call, then one SDPA per prefill chunk over
-  its own slot (work ∝ Σ n_i·K_i). The decodes' call is miniserve's decode attention kernel
-  (engine/model/kernels/decode_attention.cpp: each request reads only its own keys, ~2.7x faster than
-  SDPA at 32 × 256) where this CPU runs it, else one SDPA over a view of their slots' KV (no
-  copy: keys past each request's length are masked off).
+- ``ragged``: where this CPU runs miniserve's attention kernel (engine/model/kernels/
+  decode_attention.cpp) and it was measured faster here, every packed token in ONE call: token t is
+  a row of its request's slot that sees keys 0..position(t), a decode and each token of a prefill
+  chunk alike (2.4-3x faster than SDPA on a 512-token prefill, ~2.7x on decodes at 32 × 256;
+  docs/architecture.md). Elsewhere all single-token entries (decodes) in one SDPA over a view of
+  their slots' KV (no copy: keys past each request's length are masked off), then one SDPA per
+  prefill chunk over its own slot (work ∝ Σ n_i·K_i).
 - ``masked``: one SDPA over all requests' KV concatenated, with a block-diagonal causal mask
   (work ∝ T·ΣK; wasteful on long prompts, fewer calls for many tiny decodes).
 
@@ -50,15 +52,14 @@ class RaggedBatch:
     write_slots: torch.Tensor  # (T,) slot of every packed token
     write_positions: torch.Tensor  # (T,) position of every packed token
     backend: str = "ragged"
-    num_decodes: int = 0  # leading single-token entries, attended in one batched call
+    kernel: Callable | None = None  # kernels.decode_attention: every packed token in one call; None: SDPA
+    kernel_lens: torch.Tensor | None = None  # (T,) keys each packed token sees (its position + 1)
+    num_decodes: int = 0  # SDPA: leading single-token entries, attended in one batched call
     decode_range: tuple[int, int] = (0, 0)  # slots [lo, hi) viewed by that call
     decode_rows: torch.Tensor | None = None  # each decode's row in that view
     decode_mask: torch.Tensor | None = None  # (hi - lo, 1, 1, max K): key j visible to row r; None: all
     decode_k_len: int = 0  # keys viewed per slot (the longest decode's context + 1)
     decode_dense: bool = False  # decode i sits in slot lo + i: queries and outputs need no scatter/gather
-    decode_kernel: Callable | None = None  # kernels.decode_attention, or None: SDPA over the view above
-    decode_slots: torch.Tensor | None = None  # (num_decodes,) the kernel's inputs: each decode's slot
-    decode_lens: torch.Tensor | None = None  # and how many keys it sees
     chunk_masks: list[torch.Tensor | None] | None = None
     block_mask: torch.Tensor | None = None
 
@@ -73,7 +74,7 @@ class RaggedBatch:
 
     @classmethod
     def build(cls, slots: list[int], q_lens: list[int], ctx_lens: list[int], backend: str,
-              decode_kernel: Callable | None = None, device: torch.device | None = None) -> RaggedBatch:
+              kernel: Callable | None = None, device: torch.device | None = None) -> RaggedBatch:
         q_starts = list(accumulate(q_lens, initial=0))[:-1]
         lens = torch.tensor(q_lens)
         # position of packed token t = t - q_start(request) + ctx(request), without a per-token loop
@@ -81,14 +82,12 @@ class RaggedBatch:
         positions = torch.arange(len(shift)) + shift
         batch = cls(slots, q_starts, q_lens, ctx_lens, torch.tensor(slots).repeat_interleave(lens), positions,
                     backend)
-        if backend == "ragged":
+        if backend == "ragged" and kernel is not None:
+            batch.kernel, batch.kernel_lens = kernel, positions + 1
+        elif backend == "ragged":
             batch.chunk_masks = [_chunk_mask(n, ctx) for n, ctx in zip(q_lens, ctx_lens)]
             d = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
-            if d and decode_kernel is not None:
-                batch.num_decodes, batch.decode_kernel = d, decode_kernel
-                batch.decode_slots = torch.tensor(slots[:d])
-                batch.decode_lens = torch.tensor(ctx_lens[:d]) + 1
-            elif d:
+            if d:
                 lo, hi = min(slots[:d]), max(slots[:d]) + 1
                 rows = torch.tensor(slots[:d]) - lo
                 visible = torch.ones(hi - lo, dtype=torch.long)  # rows of other slots: any finite key
@@ -167,15 +166,14 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         out = F.scaled_dot_product_attention(query, k[None], v[None], attn_mask=b.block_mask, scale=scaling,
                                              enable_gqa=True)
         return out.transpose(1, 2), None
+    if b.kernel is not None:
+        heads, tokens, dim = query.shape[1:]
+        q = query[0].transpose(0, 1).contiguous()  # (T, H, D)
+        out = b.kernel(q, key, value, b.write_slots, b.kernel_lens, scaling if scaling is not None else dim ** -0.5)
+        return out.view(1, tokens, heads, dim), None
     outs = []
     d = b.num_decodes
-    if d and b.decode_kernel is not None:
-        heads, dim = query.shape[1], query.shape[3]
-        q = query[0, :, :d].transpose(0, 1).contiguous()  # (d, H, D)
-        out = b.decode_kernel(q, key, value, b.decode_slots, b.decode_lens,
-                              scaling if scaling is not None else dim ** -0.5)
-        outs.append(out.view(1, d, heads, dim))
-    elif d:
+    if d:
         lo, hi = b.decode_range
         heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
         # (1, H, d, D) -> (rows, KV heads, group, D): a decode's query heads that share a KV head

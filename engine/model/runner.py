@@ -59,8 +59,8 @@ class ModelRunner:
         self.cache = SlotKVCache(cfg.num_hidden_layers, scheduler_config.max_num_seqs, cfg.num_key_value_heads,
                                  self.max_model_len, head_dim, self.model.dtype,
                                  device=self.device if self.generic else None)
-        # decodes attend with miniserve's kernel where this CPU runs it (engine/model/kernels), else SDPA;
-        # the generic path never asks for (or builds) a kernel
+        # a step's tokens attend with miniserve's kernel where this CPU runs it and it was measured
+        # faster (engine/model/kernels), else with SDPA; the generic path never asks for (or builds) a kernel
         self.decode_attention = None if self.generic else dispatch.decode_attention(self.model.dtype, head_dim)
         self.greedy = (None if self.generic else kernels.argmax_rows(self.model.dtype)) or _torch_greedy
         self.timer = DeviceTimer(self.device)

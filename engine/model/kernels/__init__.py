@@ -3,8 +3,9 @@
 - ``gemv(dtype)`` (gemv.cpp): a function (x, Panels, bias, row_block, k_block) -> y, made for decode-sized
   linears (it reads the weights at memory speed); ``pack_panels`` lays a weight out for it,
   ``panel_rows`` reads rows of it back (a tied embedding).
-- ``decode_attention(dtype, head_dim)`` (decode_attention.cpp): every decoding request's one query
-  against its own KV slot, in one call.
+- ``decode_attention(dtype, head_dim)`` (decode_attention.cpp): rows of one query each against
+  keys 0..len-1 of their own KV slot, in one call: a step's decodes and every token of its prefill
+  chunks alike.
 - ``layer_ops(dtype)`` (layer_ops.cpp): a decoder layer's work between its products (residual add
   + RMSNorm, SiLU·up, rotary + KV write, with Qwen3's per-head q/k RMSNorm before the rotary) in
   three fused calls; ``TORCH_LAYER_OPS`` is the same

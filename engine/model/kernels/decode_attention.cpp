@@ -1,16 +1,19 @@
-// miniserve::decode_attention — one query token per request against that request's own KV slot:
-// the decode half of a packed step, for every decoding request at once.
+// miniserve::decode_attention — rows of one query token each against keys 0..len-1 of that row's
+// own KV slot: a packed step's decodes (one row per request) and every token of its prefill chunks
+// (token j of a chunk at context c is a row of its slot seeing c + j + 1 keys, which is causal
+// attention), all in one call.
 //
 // Why: torch's CPU SDPA treats each (request, KV head) as a tiny flash-attention problem (7 query
 // heads sharing a KV head become a 7-row query) and runs it through its blocked GEMM path, which
-// at decode sizes costs 2.5-4x the time it takes to read the keys and values once (0.6-0.95 ms per
-// layer at 32 requests × 256 tokens for 8 MB of KV on this 2-core VM). Here each (request, KV head)
-// is one task: its keys are read once, row by row, into registers and dotted with every query head
-// of its group (one horizontal sum per score); the softmax runs over all of that request's scores
-// (vectorised exp); its values are read once and accumulated, with the group's outputs held in
-// registers. Only the request's own keys 0..len-1 are read, so nothing is masked and nothing
-// past a request's length is touched. Arithmetic is in fp32 whatever the cache dtype (bf16 keys
-// and values are widened on load; the output is rounded once), as SDPA's CPU kernel accumulates.
+// at decode sizes costs several times the time it takes to read the keys and values once, and on
+// a prefill chunk runs well below the CPU's FMA rate (docs/architecture.md has the figures). Here
+// each (row, KV head) is one task: its keys are read once, row by row, into registers and dotted
+// with every query head of its group (one horizontal sum per score); the softmax runs over all of
+// that row's scores (vectorised exp); its values are read once and accumulated, with the group's
+// outputs held in registers. Only the row's own keys 0..len-1 are read, so nothing is masked and
+// nothing past a row's length is touched; a chunk's rows share their slot's keys, which stay in
+// cache from one row to the next. Arithmetic is in fp32 whatever the cache dtype (bf16 keys and
+// values are widened on load; the output is rounded once), as SDPA's CPU kernel accumulates.
 //
 // Shapes: q (rows, heads, D); k_store, v_store (slots, kv_heads, max_len, D) as SlotKVCache keeps
 // them; slots, lens (rows,) int64: the slot of each row and how many keys it sees. D a multiple of

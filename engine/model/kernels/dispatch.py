@@ -8,7 +8,8 @@ dispatches to the faster:
 - a linear's product, per row class (``ROW_CLASSES``: a product of ``rows`` takes the smallest class
   ≥ rows): ``gemv`` (miniserve's kernel over panel-packed weights), ``onednn`` (oneDNN's linear over
   its pre-packed copy), ``torch`` (stock ``F.linear`` over the plain weight);
-- a step's decode attention: ``kernel`` (miniserve's decode attention) or ``sdpa``.
+- a step's attention: ``kernel`` (miniserve's attention kernel, every packed token in one call) or
+  ``sdpa`` (SDPA for the decodes together and per prefill chunk).
 
 Each linear candidate reads its own layout of the weights, and a second layout costs a whole
 model's worth of memory (issue 16: the 1.5B shape in fp32 barely fitted a 24 GB machine with
@@ -45,7 +46,7 @@ LINEAR = ("gemv", "onednn", "torch")
 ATTENTION = ("kernel", "sdpa")
 ROW_CLASSES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 FORCE_ENV = "MINISERVE_DISPATCH"
-VERSION = 3  # bump when what is measured or how it is chosen changes
+VERSION = 4  # bump when what is measured or how it is chosen changes
 log = logging.getLogger("miniserve.dispatch")
 
 
@@ -233,19 +234,19 @@ def measure_linear(dtype: torch.dtype, repeats: int = 9) -> dict[int, dict[str, 
 
 @torch.inference_mode()
 def measure_attention(dtype: torch.dtype, repeats: int = 9) -> dict[str, float]:
-    """Seconds per call of a step's decode attention (8 requests × 256 keys, 14 query heads over 2
-    KV heads of 64, the 0.5B model's layout) with miniserve's kernel and with SDPA."""
+    """Seconds per call of a mixed step's attention (8 decodes × 256 keys and a 128-token prefill
+    chunk; 14 query heads over 2 KV heads of 64, the 0.5B model's layout) with miniserve's kernel
+    attending every token and with SDPA."""
     from engine.model.attention import RaggedBatch, ragged_attention
-
-    batch, ctx, heads, kv_heads, d = 8, 256, 14, 2, 64
+    decodes, ctx, chunk, heads, kv_heads, d = 8, 256, 128, 14, 2, 64
     kernel = kernels.decode_attention(dtype, d)
     if kernel is None:
         return {"sdpa": 0.0}
     g = torch.Generator().manual_seed(0)
-    k_store = torch.randn(batch, kv_heads, 1024, d, generator=g).to(dtype)
-    v_store = torch.randn(batch, kv_heads, 1024, d, generator=g).to(dtype)
-    q = torch.randn(1, heads, batch, d, generator=g).to(dtype)
-    slots, q_lens, ctxs = list(range(batch)), [1] * batch, [ctx] * batch
+    k_store = torch.randn(decodes + 1, kv_heads, 1024, d, generator=g).to(dtype)
+    v_store = torch.randn(decodes + 1, kv_heads, 1024, d, generator=g).to(dtype)
+    q = torch.randn(1, heads, decodes + chunk, d, generator=g).to(dtype)
+    slots, q_lens, ctxs = list(range(decodes + 1)), [1] * decodes + [chunk], [ctx] * decodes + [0]
     with_kernel = RaggedBatch.build(slots, q_lens, ctxs, "ragged", kernel)
     with_sdpa = RaggedBatch.build(slots, q_lens, ctxs, "ragged", None)
     return _fastest_alternating({
@@ -316,7 +317,8 @@ def linear_choices(dtype: torch.dtype) -> list[str]:
 
 
 def decode_attention(dtype: torch.dtype, head_dim: int):
-    """miniserve's decode attention kernel where it runs and was measured faster here, else None (SDPA)."""
+    """miniserve's attention kernel (every packed token of a step, decodes and prefill chunks) where
+    it runs and was measured faster here, else None (SDPA)."""
     kernel = kernels.decode_attention(dtype, head_dim)
     if kernel is None:
         return None
