@@ -1,9 +1,11 @@
-"""miniserve's decode attention kernel (engine/model/kernels/decode_attention.cpp) against SDPA, in one process.
+"""miniserve's attention kernel (engine/model/kernels/decode_attention.cpp) against SDPA, in one process.
 
 1. One layer's decode attention as the engine calls it (engine.model.attention.ragged_attention over a
    SlotKVCache layer), for B requests at context C: SDPA over a masked view of the slots, then the
    kernel, alternating call by call. Prints ms per layer, GB/s of keys and values read, speedup.
-2. Whole decode calls through ModelRunner, the kernel switched off and on call by call
+2. One layer's attention for one prefill chunk of N tokens after C cached ones (the kernel: one row
+   per token; SDPA: causal over the chunk's slot), alternating the same way.
+3. Whole decode calls through ModelRunner, the kernel switched off and on call by call
    (benchmarks/calls.py): B=1, 8, 32 at context 256, and B=8 at context 1024.
 
     flock /tmp/miniserve-bench.lock python benchmarks/decode_attention.py [--dtypes float32,bfloat16]
@@ -23,6 +25,7 @@ from engine.model.runner import ModelRunner
 
 LAYER_SHAPES = [(1, 256), (8, 256), (32, 256), (8, 1024), (32, 1024), (1, 4096)]  # (requests, context)
 CALL_SHAPES = [(1, 256), (8, 256), (32, 256), (8, 1024)]
+CHUNK_SHAPES = [(128, 0), (512, 0), (256, 256)]  # (chunk tokens, cached context)
 
 
 def layer_rates(runner: ModelRunner, kernel, dtype: torch.dtype, repeats: int) -> None:
@@ -43,6 +46,20 @@ def layer_rates(runner: ModelRunner, kernel, dtype: torch.dtype, repeats: int) -
         kv_bytes = 2 * b * cfg.num_key_value_heads * (ctx + 1) * d * esize
         print(f"  B={b:<3d} ctx={ctx:<5d} SDPA {1e3 * sdpa:6.3f} ms {kv_bytes / sdpa / 1e9:5.1f} GB/s | kernel "
               f"{1e3 * mine:6.3f} ms {kv_bytes / mine / 1e9:5.1f} GB/s | speedup "
+              f"{statistics.median(a / c for a, c in zip(*times)):.2f}", flush=True)
+
+
+def chunk_rates(runner: ModelRunner, kernel, dtype: torch.dtype, repeats: int) -> None:
+    cfg = runner.model.config
+    heads, d = cfg.num_attention_heads, runner.cache.keys[0].shape[-1]
+    keys, values = runner.cache.keys[0], runner.cache.values[0]
+    for n, ctx in CHUNK_SHAPES:
+        query = torch.randn(1, heads, n, d).to(dtype)
+        batches = [RaggedBatch.build([0], [n], [ctx], "ragged", k) for k in (None, kernel)]
+        times = time_alternating([functools.partial(ragged_attention, None, query, keys, values, batch,
+                                                    scaling=d ** -0.5) for batch in batches], repeats, warm=2)
+        sdpa, mine = (statistics.median(t) for t in times)
+        print(f"  chunk of {n:<4d} after {ctx:<4d} SDPA {1e3 * sdpa:6.3f} ms | kernel {1e3 * mine:6.3f} ms | speedup "
               f"{statistics.median(a / c for a, c in zip(*times)):.2f}", flush=True)
 
 
@@ -72,6 +89,8 @@ def main() -> None:
             continue
         print(f"{d}: one layer's decode attention, SDPA and the kernel alternating (threads={torch.get_num_threads()})")
         layer_rates(runner, kernel, getattr(torch, d), args.repeats * 5)
+        print(f"{d}: one layer's attention for one prefill chunk, SDPA and the kernel alternating")
+        chunk_rates(runner, kernel, getattr(torch, d), args.repeats * 3)
 
         print(f"{d}: decode calls, kernel off/on alternating")
         last += model_calls(runner, kernel, d, args.repeats)
