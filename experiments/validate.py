@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import statistics
 from concurrent.futures import ProcessPoolExecutor
@@ -45,6 +46,7 @@ import numpy as np
 import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 
+from calibration import bandwidth_history
 from calibration.contention import CONTENDED_SHARE, Interval
 from calibration.cost_model import CostModel
 from calibration.noise import RunNoise, calibration_stamps, calls_gb_s
@@ -88,8 +90,8 @@ class Contention:
 class ValidateBands:
     """Simulated replicates with the profile's measured call noise, for each metric's 5–95% band."""
 
-    # 0: no bands. A 5–95% band read off N draws holds a new draw with probability ≈ 0.9·N/(N+1)
-    # less the error of its ends: ~81% at 20 on this matrix's draws, so validate takes 100
+    # 0: no bands. A 5–95% band read off N draws (np.percentile) holds a new draw from the same
+    # distribution with probability 0.9·(N−1)/(N+1) on average: 81% at 20, 88% at 100
     replicates: int = 100
     seed: int = 0
     # the run-wide draw: "history" a memory bandwidth from the machine's stamps (the profile's
@@ -371,6 +373,9 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
     physical = physical_model(cost)
     for r in runs:
         r["calls_gb_s"] = run_calls_gb_s(physical, r)
+    if not app.real_runs:  # fresh runs join this machine's history, for later calibrations' profiles
+        threads = app.model.num_threads or cost.info.get("measured_on", {}).get("threads") or os.cpu_count()
+        bandwidth_history.record(threads, [r["calls_gb_s"] or r["memory_gb_s"] for r in runs], "validate run")
     (out_dir / "real_runs.json").write_text(json.dumps(runs))
     pd.DataFrame.from_records([{"row": r["row"], "workload": rows[r["row"]].name,
                                 "scheduler": rows[r["row"]].scheduler.name,
