@@ -86,4 +86,4 @@ def profile_history(threads: int, own: list[float], source: str = "calibration s
     path = record(threads, own, source)
     return {"memory_gb_s_history": [round(x, 2) for x in past + own],
             "memory_gb_s_history_source": f"{len(own)} calibration stamps + {len(past)} from this machine's history "
-                                          f"({path})"}
+                                          f"({path.name})"}

@@ -303,12 +303,12 @@ def row_run_noise(cost: AnyCostModel, runs: list[dict], row: int, draw: str, his
         stamps = calibration_stamps(cost.info)
         base = RunNoise(tuple(stamps), base.round_log, f"{len(stamps)} calibration stamps")
     others = [r for r in runs if r["row"] != row]
-    if history == "calls":
-        seen = [r["calls_gb_s"] for r in others if r.get("calls_gb_s")]
-        if seen:
-            return base.with_stamps(seen, f"{len(seen)} of other rows' real runs, as their calls saw it")
-    stamps = [r["memory_gb_s"] for r in others if r.get("memory_gb_s")]
-    return base.with_stamps(stamps, f"{len(stamps)} of other rows' real runs, stamped")
+    seen = [r.get("calls_gb_s") if history == "calls" else None for r in others]
+    stamps = [s or r.get("memory_gb_s") for s, r in zip(seen, others)]  # the stamp where the calls fit none
+    called = sum(s is not None for s in seen)
+    how = "stamped" if not called else "as their calls saw it" if called == len(others) else \
+        f"{called} as their calls saw it, the rest stamped"
+    return base.with_stamps(stamps, f"{len(others)} of other rows' real runs, {how}")
 
 
 def simulate_row(cost: AnyCostModel, row: Row, replay: list[tuple], keep: int, seed: int,
