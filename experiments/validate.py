@@ -18,9 +18,11 @@ contended again stays flagged (``contended_runs``). Every attempt is in real_run
 
 Per metric: the real median, min, max and coefficient of variation; the deterministic simulation's
 error against the median; a row passes when |sim − median| ≤ max(tolerance, half the real spread
-(max − min) / 2, relative to the median). With ``bands.replicates=N``, N simulations with call
-times drawn from the profile's measured noise give each metric's 5–95% band; coverage is the share
-of real runs inside it. Each timing metric also gets a leave-one-row-out band (sim.bands.conformal_band:
+(max − min) / 2, relative to the median). With ``bands.replicates=N`` (100), N simulations with call
+times drawn from measured noise give each metric's 5–95% band; coverage is the share of real runs
+inside it. Each replicate draws one memory bandwidth from the machine's history (the profile's,
+or its calibration's stamps, and every other row's real runs as their calls saw it, never the
+row's own) and a residual per call; validation.csv's ``band_source`` says which. Each timing metric also gets a leave-one-row-out band (sim.bands.conformal_band:
 the row's simulation scaled by the 5–95% spread of real/simulated over every other row's real runs)
 and its coverage: the band a user of this simulator on this machine can expect. Writes DIR/validation.csv, DIR/real_runs.csv (every attempt) and DIR/real_runs.json (also each
 run's requests: ``real_runs=DIR/real_runs.json`` simulates against the same runs again) and prints the table.
