@@ -14,6 +14,7 @@ from calibration.fit import Errors, fit_nnls, split_heldout
 from calibration.physical import Machine as PhysicalMachine, PhysicalCostModel, PhysicalShape, physical_features
 from calibration.grid import GRID_SPECS, build_grid
 from calibration.kv_copy import measure_kv_copy
+from calibration.bandwidth_history import profile_history
 from calibration.noise import noise_report
 from calibration.profiler import (IDLE_SHAPES, Measurement, Robustness, ShapePool, make_runner, measure_after_idle,
                                   measure_engine_runs, measure_shapes, threads_of)
@@ -194,8 +195,10 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
         "grid": {"name": cfg.grid, "spec": asdict(spec), "calls": len(shapes), "engine_calls": len(engine_calls),
                  "repeats": cfg.repeats or spec.repeats, "warmup": cfg.warmup, "wall_s": wall,
                  "robust": asdict(cfg.robust), **mlog.to_dict()},
-        "noise": noise_report([m.times_s for m in measurements], y, predicted, [m.shape.kind for m in measurements],
-                              cfg.repeats or spec.repeats, [m.contended for m in measurements]),
+        "noise": {**noise_report([m.times_s for m in measurements], y, predicted, [m.shape.kind for m in measurements],
+                                 cfg.repeats or spec.repeats, [m.contended for m in measurements]),
+                  # the slow component a replicate draws (calibration.noise.RunNoise)
+                  **profile_history(model_config.num_threads, [memory.before, memory.after, *mlog.round_stamps_gb_s])},
         "measurements": [{"shape": m.shape.name, "kind": m.shape.kind, "tokens": m.plan.total_tokens,
                           "requests": m.plan.num_requests, "samples": m.plan.num_samples,
                           "plan": plan_record(m.plan),

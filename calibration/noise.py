@@ -7,6 +7,10 @@ Two parts, both as natural-log ratios (a call that took 10% longer is log 1.1):
 - ``call_log``: every timed call (grid repeats and the engine's own calls) against the fitted
   prediction, less its round's factor: the fit's error on that shape plus the call's own jitter.
 And per shape its spread (min–max over median, and the coefficient of variation).
+- ``memory_gb_s_history``: read-bandwidth stamps of this machine over a longer time than the
+  calibration's minutes (its own stamps and calibration.bandwidth_history's per-machine file):
+  the slow, run-level component a replicate draws from (RunNoise). Older profiles lack it and
+  draw a round factor instead.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -53,3 +58,75 @@ def noise_report(times: Sequence[Sequence[float]], typical: Sequence[float], pre
                              "p90": float(np.percentile(spreads, 90)) if spreads else 0.0,
                              "max": float(max(spreads, default=0.0))},
             "shape_cv_median": float(np.median(cvs)) if cvs else 0.0}
+
+
+def calibration_stamps(profile: dict) -> list[float]:
+    """The memory stamps a calibration took (before, after, and between its rounds): every
+    profile with a ``memory_read_gb_s`` entry has the first two."""
+    stamp = profile.get("memory_read_gb_s") or {}
+    out = [stamp[k] for k in ("before", "after") if stamp.get(k)]
+    return out + [float(x) for x in (profile.get("grid") or {}).get("round_stamps_gb_s", ()) if x > 0]
+
+
+@dataclass(frozen=True)
+class RunNoise:
+    """A replicate's slow, run-wide component of the noise.
+
+    A real run on a shared host sits in one memory spell for its whole length, and the calls'
+    per-call residuals average out over hundreds of calls, so the run-to-run spread comes from
+    the spell. With ``memory_gb_s`` (read-bandwidth stamps: what this machine was measured to give
+    over a longer time than one calibration) a replicate draws one stamp and the simulator prices
+    its calls at it through the physical model's memory-bound terms (sim.executors.NoisyExecutor).
+    Without stamps (profiles from before the history) it draws one calibration round's factor
+    from ``round_log``, as before."""
+
+    memory_gb_s: tuple[float, ...] = ()
+    round_log: tuple[float, ...] = (0.0,)
+    source: str = "calibration rounds"
+
+    @classmethod
+    def of_profile(cls, profile: dict) -> RunNoise:
+        """What a profile (or a cost model's ``info``) gives: its bandwidth history, else its rounds."""
+        noise = profile.get("noise") or {}
+        rounds = tuple(noise.get("round_log") or (0.0,))
+        history = tuple(float(x) for x in noise.get("memory_gb_s_history") or () if x > 0)
+        if history:
+            return cls(history, rounds, noise.get("memory_gb_s_history_source") or "the profile's bandwidth history")
+        return cls((), rounds, f"{len(rounds)} calibration rounds")
+
+    def with_stamps(self, stamps: Sequence[float], source: str) -> RunNoise:
+        """The same with more stamps drawn from (``source`` says whence, for the log and validation.csv)."""
+        extra = tuple(float(x) for x in stamps if x > 0)
+        return RunNoise(self.memory_gb_s + extra, self.round_log, f"{self.source} + {source}" if self.memory_gb_s
+                        else source)
+
+    def describe(self) -> str:
+        """One line for the log and validation.csv's ``band_source``."""
+        if not self.memory_gb_s:
+            return f"round factor from {self.source}"
+        return (f"bandwidth from {len(self.memory_gb_s)} stamps, {min(self.memory_gb_s):.0f}–"
+                f"{max(self.memory_gb_s):.0f} GB/s ({self.source})")
+
+
+def calls_gb_s(physical, calls: Sequence[tuple[object, float]], low: float = 1.0, high: float = 1e4) -> float | None:
+    """The read bandwidth a run's calls saw, on the physical cost model's scale: the ``b`` at
+    which ``physical`` (calibration.physical.PhysicalCostModel) priced at ``b`` predicts the
+    median call exactly (median of log(measured / predicted) = 0). ``calls``: (plan, seconds).
+    A stamp is a 0.1 s probe before and after a run; this is the whole run as the calls felt it,
+    the machine's slow component measured where it matters. None when no bandwidth in
+    [low, high] fits (calls all compute-bound, or none)."""
+    calls = [(p, t) for p, t in calls if t > 0]
+    if not calls:
+        return None
+
+    def gap(log_b: float) -> float:  # rises with b: a faster machine predicts shorter calls
+        at = physical.with_machine(memory_gb_s=math.exp(log_b))
+        return statistics.median(math.log(t / at.predict(p)) for p, t in calls)
+
+    lo, hi = math.log(low), math.log(high)
+    if gap(lo) > 0 or gap(hi) < 0:
+        return None
+    while hi - lo > 1e-3:  # 0.1%
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if gap(mid) < 0 else (lo, mid)
+    return math.exp((lo + hi) / 2)

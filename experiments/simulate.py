@@ -13,6 +13,7 @@ percentile over N runs drawn from the profile's measured noise.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
+from calibration.noise import RunNoise
 from calibration.physical import WhatIf
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.observe.results import Goodput, write_results_json
@@ -29,6 +31,8 @@ from engine.observe.metrics import write_metrics_json
 from sim import workload_requests
 from sim.bands import bands, replicates
 from sim.run import SimOptions, find_capacity, load_cost_model, run_workload, write_outputs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,7 +108,10 @@ def run_app(app: SimulateApp, out_dir: Path) -> dict:
         runs = replicates(lambda: workload_requests(app.workload)[0], app.scheduler, cost, app.bands.replicates,
                           app.bands.seed, concurrency=workload_requests(app.workload)[1],
                           num_replicas=app.replicas, router=app.router)
+        drawn_from = RunNoise.of_profile(cost.info).describe()
+        log.info("bands: %d replicates, each a residual per call and a %s", app.bands.replicates, drawn_from)
         metrics = {**metrics, "bands": {"replicates": app.bands.replicates, "seed": app.bands.seed,
+                                        "drawn_from": drawn_from,
                                         **bands([r.log.summarize(r.duration_s, **goodput.seconds()) for r in runs])}}
         write_metrics_json(metrics, out_dir / "metrics.json")
     if app.capacity.enabled:

@@ -18,9 +18,11 @@ contended again stays flagged (``contended_runs``). Every attempt is in real_run
 
 Per metric: the real median, min, max and coefficient of variation; the deterministic simulation's
 error against the median; a row passes when |sim − median| ≤ max(tolerance, half the real spread
-(max − min) / 2, relative to the median). With ``bands.replicates=N``, N simulations with call
-times drawn from the profile's measured noise give each metric's 5–95% band; coverage is the share
-of real runs inside it. Each timing metric also gets a leave-one-row-out band (sim.bands.conformal_band:
+(max − min) / 2, relative to the median). With ``bands.replicates=N`` (100), N simulations with call
+times drawn from measured noise give each metric's 5–95% band; coverage is the share of real runs
+inside it. Each replicate draws one memory bandwidth from the machine's history (the profile's,
+or its calibration's stamps, and every other row's real runs as their calls saw it, never the
+row's own) and a residual per call; validation.csv's ``band_source`` says which. Each timing metric also gets a leave-one-row-out band (sim.bands.conformal_band:
 the row's simulation scaled by the 5–95% spread of real/simulated over every other row's real runs)
 and its coverage: the band a user of this simulator on this machine can expect. Writes DIR/validation.csv, DIR/real_runs.csv (every attempt) and DIR/real_runs.json (also each
 run's requests: ``real_runs=DIR/real_runs.json`` simulates against the same runs again) and prints the table.
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import statistics
 from concurrent.futures import ProcessPoolExecutor
@@ -45,11 +48,14 @@ import numpy as np
 import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 
+from calibration import bandwidth_history
 from calibration.contention import CONTENDED_SHARE, Interval
 from calibration.cost_model import CostModel
-from calibration.physical import AnyCostModel, at_run_bandwidth
+from calibration.noise import RunNoise, calibration_stamps, calls_gb_s
+from calibration.physical import AnyCostModel, PhysicalCostModel, at_run_bandwidth
 from calibration.roofline import MemoryStamp
 from engine.core.config import ModelConfig, SchedulerConfig
+from engine.core.plan import BatchPlan
 from engine.core.request import Request
 from engine.observe.trace import parse_label, summarize_calls
 from engine.observe.workload import WorkloadConfig, generate, make_requests
@@ -58,7 +64,7 @@ from experiments.schema import register, to_object
 from sim.bands import BAND_METRICS, band, conformal_band, inside, replicates, width
 from sim.run import load_cost_model, saturation_rate
 from sim.simulator import simulate
-from sim.executors import CostModelExecutor
+from sim.executors import CostModelExecutor, physical_model
 
 SEED_BURST = WorkloadConfig()  # WorkloadConfig's defaults are the seed's burst
 
@@ -86,8 +92,23 @@ class Contention:
 class ValidateBands:
     """Simulated replicates with the profile's measured call noise, for each metric's 5–95% band."""
 
-    replicates: int = 20  # 0: no bands
+    # 0: no bands. A 5–95% band read off N draws (np.percentile) holds a new draw from the same
+    # distribution with probability 0.9·(N−1)/(N+1) on average: 81% at 20, 88% at 100
+    replicates: int = 100
     seed: int = 0
+    # the run-wide draw: "history" a memory bandwidth from the machine's stamps (the profile's
+    # history or calibration stamps, and the other rows' real runs, never the row's own);
+    # "rounds" a calibration round's factor (the band before the history)
+    draw: str = "history"
+    # what a real run adds to the history: "calls" the bandwidth its calls saw (through the
+    # physical model, calibration.noise.calls_gb_s), "stamps" the probe stamped around it
+    history: str = "calls"
+
+    def __post_init__(self) -> None:
+        if self.draw not in ("history", "rounds"):
+            raise ValueError(f"bands.draw must be history or rounds, got {self.draw!r}")
+        if self.history not in ("calls", "stamps"):
+            raise ValueError(f"bands.history must be calls or stamps, got {self.history!r}")
 
 
 @dataclass
@@ -262,20 +283,51 @@ def row_cost(cost: AnyCostModel, runs: list[dict], use_run_bandwidth: bool) -> A
     return at_run_bandwidth(cost, statistics.median(r["memory_gb_s"] for r in counted(runs)))
 
 
-def simulate_row(cost: CostModel, row: Row, replay: list[tuple], keep: int, seed: int) -> tuple[dict, list[dict]]:
+def run_calls_gb_s(physical: PhysicalCostModel | None, run: dict) -> float | None:
+    """The bandwidth a real run's calls saw (calibration.noise.calls_gb_s), from its recorded steps."""
+    if physical is None:
+        return None
+    calls = [(BatchPlan.of("replay", [f"q{j}" for j in range(len(tokens))], tokens, contexts, samples, decodes), model)
+             for _, _, _, model, tokens, contexts, samples, decodes in run["steps"]]
+    return calls_gb_s(physical, calls)
+
+
+def row_run_noise(cost: AnyCostModel, runs: list[dict], row: int, draw: str, history: str = "calls") -> RunNoise:
+    """Where row ``row``'s replicates draw their run-wide component from. ``history``: the profile's
+    bandwidth history (or, for a profile without one, the stamps its calibration took) plus the
+    stamps of every other row's real runs, every attempt: what the machine gave over the
+    validation. The row's own runs stay out, so its coverage is a prediction's, not a fit's.
+    ``rounds``: the profile's calibration rounds, as before."""
+    base = RunNoise.of_profile(cost.info)
+    if draw == "rounds":
+        return RunNoise((), base.round_log, base.source if not base.memory_gb_s else "calibration rounds")
+    if not base.memory_gb_s:
+        stamps = calibration_stamps(cost.info)
+        base = RunNoise(tuple(stamps), base.round_log, f"{len(stamps)} calibration stamps")
+    others = [r for r in runs if r["row"] != row]
+    seen = [r.get("calls_gb_s") if history == "calls" else None for r in others]
+    stamps = [s or r.get("memory_gb_s") for s, r in zip(seen, others)]  # the stamp where the calls fit none
+    called = sum(s is not None for s in seen)
+    how = "stamped" if not called else "as their calls saw it" if called == len(others) else \
+        f"{called} as their calls saw it, the rest stamped"
+    return base.with_stamps(stamps, f"{len(others)} of other rows' real runs, {how}")
+
+
+def simulate_row(cost: AnyCostModel, row: Row, replay: list[tuple], keep: int, seed: int,
+                 run_noise: RunNoise | None = None) -> tuple[dict, list[dict]]:
     """The deterministic simulation on the real run's arrivals and lengths, and ``keep`` noisy replicates."""
     def requests() -> list[Request]:
         return [Request(rid, range(p), o, arrival_s=a) for rid, a, p, o in replay]
 
     cap = row.scheduler.max_num_seqs
     sim = simulate(requests(), row.scheduler, lambda: CostModelExecutor(cost), keep_steps=True)
-    reps = replicates(requests, row.scheduler, cost, keep, seed, keep_steps=True) if keep else []
+    reps = replicates(requests, row.scheduler, cost, keep, seed, run_noise=run_noise, keep_steps=True) if keep else []
     return (with_trace(sim.metrics(), sim.trace_calls(), cap),
             [with_trace(r.metrics(), r.trace_calls(), cap) for r in reps])
 
 
 def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict], tolerance: dict,
-                calibration_gb_s: float) -> list[dict]:
+                calibration_gb_s: float, band_source: str = "") -> list[dict]:
     """validation.csv's records of one row, one per metric."""
     used = counted(runs)
     records = []
@@ -294,7 +346,7 @@ def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict]
         if replicate_m:
             b = band([float(read(m)) for m in replicate_m])
             rec.update(band_p5=b["p5"], band_p50=b["p50"], band_p95=b["p95"], band_width=width(b),
-                       band_hits=sum(inside(v, b) for v in real))
+                       band_hits=sum(inside(v, b) for v in real), band_source=band_source)
         records.append(rec)
     return records
 
@@ -320,20 +372,31 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
     for repeat in range(0 if app.real_runs else app.matrix.repeats):
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:  # a fresh process per repeat
             runs += pool.submit(real_repeat, app, rows, calibration_gb_s, repeat).result()
+    physical = physical_model(cost)
+    for r in runs:
+        r["calls_gb_s"] = run_calls_gb_s(physical, r)
+    if not app.real_runs:  # fresh runs join this machine's history, for later calibrations' profiles
+        threads = app.model.num_threads or cost.info.get("measured_on", {}).get("threads") or os.cpu_count()
+        bandwidth_history.record(threads, [r["calls_gb_s"] or r["memory_gb_s"] for r in runs], "validate run")
     (out_dir / "real_runs.json").write_text(json.dumps(runs))
     pd.DataFrame.from_records([{"row": r["row"], "workload": rows[r["row"]].name,
                                 "scheduler": rows[r["row"]].scheduler.name,
                                 "max_num_seqs": rows[r["row"]].scheduler.max_num_seqs, "repeat": r["repeat"],
                                 "attempt": r["attempt"], "contended": r["contended"], "reason": r["reason"],
-                                "memory_gb_s": r["memory_gb_s"], "others_cores": r["others_cores"],
+                                "memory_gb_s": r["memory_gb_s"], "calls_gb_s": r["calls_gb_s"],
+                                "others_cores": r["others_cores"],
                                 **{m: float(read(r["metrics"])) for m, read, _ in METRICS}} for r in runs]
                               ).to_csv(out_dir / "real_runs.csv", index=False)
     records = []
     for i, row in enumerate(rows):
         mine = [r for r in runs if r["row"] == i]
+        noise = row_run_noise(cost, runs, i, app.bands.draw, app.bands.history)
+        if i == 0 and app.bands.replicates:
+            print(f"  bands: {app.bands.replicates} replicates, each a residual per call and a {noise.describe()}"
+                  + (" (this row's own runs left out)" if noise.memory_gb_s else ""), flush=True)
         sim_m, rep_m = simulate_row(row_cost(cost, mine, app.use_run_bandwidth), row, mine[0]["replay"],
-                                    app.bands.replicates, app.bands.seed)
-        records += compare_row(row, mine, sim_m, rep_m, tolerance, calibration_gb_s)
+                                    app.bands.replicates, app.bands.seed, noise)
+        records += compare_row(row, mine, sim_m, rep_m, tolerance, calibration_gb_s, noise.describe())
         used = counted(mine)
         print(f"  {row.name:14s} {row.scheduler.name:10s} cap={row.scheduler.max_num_seqs}: real "
               f"{statistics.median(r['metrics']['output_throughput_tok_s'] for r in used):.2f} (median of {len(used)}) "

@@ -1,9 +1,11 @@
 """Prediction bands, two kinds.
 
-- Replicates: the same workload simulated N times with call times drawn from the profile's
-  measured noise (sim.executors.NoisyExecutor), each replicate seeded, and each metric's 5th, 50th
-  and 95th percentile over them. They hold the noise a calibration sees in minutes (call to call,
-  round to round), not the slower drift of a shared machine between runs.
+- Replicates: the same workload simulated N times with call times drawn from measured noise
+  (sim.executors.NoisyExecutor), each replicate seeded, and each metric's 5th, 50th and 95th
+  percentile over them. A replicate draws one run-wide memory bandwidth from the machine's
+  stamp history (calibration.noise.RunNoise: the slow drift of a shared host between runs) and a
+  residual per call; a profile without a history draws a calibration round's factor instead,
+  which holds only the noise of the calibration's minutes.
 - Leave-one-row-out (split conformal): a row's deterministic prediction times the 5th and 95th
   percentiles of real/simulated over the real runs of every *other* row of a validation. Whatever
   moves real runs away from the simulation on this machine (drift, the simulator's own error) is
@@ -18,7 +20,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from calibration.cost_model import CostModel
+from calibration.noise import RunNoise
+from calibration.physical import AnyCostModel
 from engine.core.config import SchedulerConfig
 from engine.core.request import Request
 from sim.executors import NoisyExecutor
@@ -38,12 +41,14 @@ BAND_METRICS: dict[str, Callable[[dict], float]] = {
 }
 
 
-def replicates(make_requests: Callable[[], Iterable[Request]], config: SchedulerConfig, cost: CostModel, n: int,
-               seed: int = 0, concurrency: int | None = None, **options) -> list[SimResult]:
+def replicates(make_requests: Callable[[], Iterable[Request]], config: SchedulerConfig, cost: AnyCostModel, n: int,
+               seed: int = 0, concurrency: int | None = None, run_noise: RunNoise | None = None,
+               **options) -> list[SimResult]:
     """``n`` simulations of fresh requests from ``make_requests``; replicate i draws with seed
-    ``seed + i``, so the same arguments give the same runs."""
-    return [simulate(make_requests(), config, lambda i=i: NoisyExecutor(cost, seed + i), concurrency=concurrency,
-                     **options) for i in range(n)]
+    ``seed + i``, so the same arguments give the same runs. ``run_noise``: where the run-wide
+    draw comes from (default: the profile's, calibration.noise.RunNoise.of_profile)."""
+    return [simulate(make_requests(), config, lambda i=i: NoisyExecutor(cost, seed + i, run_noise),
+                     concurrency=concurrency, **options) for i in range(n)]
 
 
 def band(values: Sequence[float]) -> dict[str, float]:

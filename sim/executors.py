@@ -14,7 +14,9 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
-from calibration.cost_model import FEATURES, CostModel
+from calibration.cost_model import FEATURES, CostModel, ProfileMismatchError
+from calibration.noise import RunNoise
+from calibration.physical import AnyCostModel, PhysicalCostModel, at_run_bandwidth
 from engine.core.plan import BatchPlan, StepResult
 from engine.core.request import Request
 
@@ -99,23 +101,52 @@ class CostModelExecutor:
 
 
 class NoisyExecutor(CostModelExecutor):
-    """The cost model with the profile's measured noise (calibration.noise): one replicate of a
-    run draws one machine-wide factor (a calibration round's, as a real run sits in one spell)
-    and every call a residual of the profile's own calls, seeded. Each step is drawn, so the
-    simulator never runs repeated steps at once (``decode_costs`` is None)."""
+    """The cost model with measured noise (calibration.noise), seeded: one run-wide draw and a
+    residual of the profile's own calls per call. The run-wide draw is, where ``run_noise`` has
+    bandwidth stamps and the profile a physical model, one memory bandwidth from that history:
+    each call is scaled by the physical model's time at that bandwidth over its time at the
+    calibration's (calibration.physical.at_run_bandwidth, so only the memory-bound terms move);
+    otherwise one calibration round's factor, as older profiles always had. Each step is drawn, so
+    the simulator never runs repeated steps at once (``decode_costs`` is None)."""
 
-    def __init__(self, cost_model: CostModel, seed: int) -> None:
+    def __init__(self, cost_model: AnyCostModel, seed: int, run_noise: RunNoise | None = None) -> None:
         super().__init__(cost_model)
         noise = cost_model.info.get("noise") or {}
         self._calls = noise.get("call_log") or [0.0]
-        rounds = noise.get("round_log") or [0.0]
+        self.run_noise = run_noise or RunNoise.of_profile(cost_model.info)
         self._rng = random.Random(seed)
-        self.run_factor = math.exp(self._rng.choice(rounds))
+        physical = physical_model(cost_model) if self.run_noise.memory_gb_s else None
+        self.memory_gb_s: float | None = None
+        if physical is None:  # the old draw, in the old order: seeded bands stay as they were
+            self.run_factor = math.exp(self._rng.choice(self.run_noise.round_log))
+            self._at_run = None
+        else:
+            self.run_factor = 1.0
+            self.memory_gb_s = self._rng.choice(self.run_noise.memory_gb_s)
+            self._base, self._at_run = physical, at_run_bandwidth(physical, self.memory_gb_s)
 
     def call_s(self, plan: BatchPlan) -> float:
-        return super().call_s(plan) * self.run_factor * math.exp(self._rng.choice(self._calls))
+        call = super().call_s(plan) * self.run_factor
+        if self._at_run is not None:
+            base = self._base.predict(plan)
+            call *= self._at_run.predict(plan) / base if base > 0 else 1.0
+        return call * math.exp(self._rng.choice(self._calls))
 
     def decode_costs(self, num_decodes: int) -> None:
+        return None
+
+
+def physical_model(cost_model: AnyCostModel) -> PhysicalCostModel | None:
+    """The physical model behind a cost model (itself, or the one its profile carries), priced at
+    the calibration's bandwidth; None for a profile without one."""
+    if isinstance(cost_model, PhysicalCostModel):
+        return cost_model
+    if not cost_model.info.get("physical"):
+        return None
+    try:
+        return PhysicalCostModel.from_profile({**cost_model.info, "step_overhead_s": cost_model.step_overhead_s,
+                                               "kv_copy_s_per_token": cost_model.kv_copy_s_per_token})
+    except ProfileMismatchError:
         return None
 
 

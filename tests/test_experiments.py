@@ -2,6 +2,7 @@
 sweep, validation and report run end to end."""
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -113,6 +114,9 @@ def test_tiny_validation_writes_the_error_table(tmp_path, tiny_profile):
     assert (df.real_runs == 2).all() and (df.real_min <= df.real).all() and (df.real <= df.real_max).all()
     assert (df.allowed >= df.tolerance).all() and (df.ok == (df.rel_error.abs() <= df.allowed)).all()
     assert (df.band_p5 <= df.band_p95).all() and (df.band_hits <= df.real_runs).all()
+    # each row's band draws a bandwidth from the 3 other rows' 4 attempts each (and the profile's history), never its own
+    assert df.band_source.str.contains("12 of other rows' real runs").all()
+    assert json.loads(Path(tiny_profile).read_text())["noise"]["memory_gb_s_history"]
     runs = pd.read_csv(tmp_path / "real_runs.csv")  # every attempt: two repeats, each re-run once, no more
     assert set(runs.repeat) == {0, 1} and (runs.groupby(["row", "repeat"]).size() == 2).all()
     assert runs.contended.all() and runs.reason.str.contains("cores").all()

@@ -127,6 +127,7 @@ def test_bands_from_the_profiles_noise_land_in_metrics_json(tmp_path):
     again = run_app(composed(*args), tmp_path / "b")
     bands = metrics["bands"]
     assert bands["replicates"] == 8 and bands == again["bands"]  # seeded: the same bands again
+    assert bands["drawn_from"] == "round factor from 3 calibration rounds"  # no history in this profile
     for name in ("output_throughput", "ttft_p50", "tpot_p99", "e2e_p99"):
         assert bands[name]["p5"] <= bands[name]["p50"] <= bands[name]["p95"]
     assert bands["e2e_p50"]["p95"] > bands["e2e_p50"]["p5"]  # the noise moves the metric

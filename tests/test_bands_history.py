@@ -1,0 +1,133 @@
+"""Replicate bands whose run-wide draw is a memory bandwidth from this machine's history."""
+
+import json
+import math
+import random
+from dataclasses import replace
+
+import pytest
+
+from calibration import bandwidth_history
+from calibration.noise import RunNoise, calibration_stamps, calls_gb_s
+from calibration.physical import Machine, at_run_bandwidth
+from engine.core.config import SchedulerConfig
+from engine.core.plan import BatchPlan
+from engine.core.request import Request
+from experiments.validate import row_run_noise, run_calls_gb_s
+from sim.bands import replicates
+from sim.executors import NoisyExecutor, cost_model_from
+from tests.test_physical import physical_model
+
+DECODE = BatchPlan.of("t", ["a", "b"], (1, 1), (100, 200), (True, True), 2)
+PREFILL = BatchPlan.of("t", ["a"], (128,), (0,), (True,), 0)
+CONFIG = SchedulerConfig(name="continuous", max_num_seqs=4)
+
+
+def quiet(cost, **noise):
+    """The cost model with only the given noise (no call residuals unless asked)."""
+    return replace(cost, info={**cost.info, "noise": {"call_log": [0.0], **noise}})
+
+
+def burst(n=8):
+    return [Request(f"r{i}", range(10 + i), 4 + i % 3, arrival_s=0.05 * i) for i in range(n)]
+
+
+def test_a_replicate_draws_its_bandwidth_from_the_history_and_prices_calls_at_it():
+    cost = quiet(physical_model(machine=Machine(40.0, 400.0)))
+    slow = NoisyExecutor(cost, 0, RunNoise((20.0,)))
+    assert slow.memory_gb_s == 20.0 and slow.run_factor == 1.0
+    assert slow.call_s(DECODE) == pytest.approx(at_run_bandwidth(cost, 20.0).predict(DECODE))
+    assert slow.call_s(DECODE) > cost.predict(DECODE) > NoisyExecutor(cost, 0, RunNoise((80.0,))).call_s(DECODE)
+    drawn = {NoisyExecutor(cost, s, RunNoise((20.0, 40.0, 80.0))).memory_gb_s for s in range(30)}
+    assert drawn == {20.0, 40.0, 80.0}  # every stamp can be drawn, nothing else
+
+
+def test_an_empirical_model_moves_by_its_profiles_physical_model_so_compute_bound_calls_stay():
+    phys = physical_model(machine=Machine(40.0, 400.0))
+    cost = cost_model_from(const=0.01, decode_tokens=0.004, prefill_tokens=0.0005)
+    cost = replace(cost, info={"physical": phys.to_dict(), "noise": {"call_log": [0.0]}})
+    ex = NoisyExecutor(cost, 0, RunNoise((20.0,)))
+    ratio = at_run_bandwidth(phys, 20.0).predict(DECODE) / phys.predict(DECODE)
+    assert ex.call_s(DECODE) == pytest.approx(cost.predict(DECODE) * ratio) and ratio > 1.3
+    prefill_ratio = at_run_bandwidth(phys, 20.0).predict(PREFILL) / phys.predict(PREFILL)
+    assert ex.call_s(PREFILL) == pytest.approx(cost.predict(PREFILL) * prefill_ratio) and prefill_ratio < ratio
+    # without a physical model there is nothing to price a bandwidth with: the round factor, as before
+    bare = replace(cost, info={"noise": {"call_log": [0.0], "round_log": [0.1]}})
+    assert NoisyExecutor(bare, 0, RunNoise((20.0,), (0.1,))).run_factor == pytest.approx(math.exp(0.1))
+
+
+def test_an_old_profile_without_a_history_draws_a_round_factor_exactly_as_before():
+    noise = {"round_log": [-0.1, 0.0, 0.2], "call_log": [-0.05, 0.0, 0.05, 0.2]}
+    cost = replace(physical_model(), info={"noise": noise})
+    assert RunNoise.of_profile(cost.info).memory_gb_s == ()
+    ex = NoisyExecutor(cost, 7)
+    rng = random.Random(7)  # the draws of the executor before the history, in its order
+    assert ex.memory_gb_s is None and ex.run_factor == math.exp(rng.choice(noise["round_log"]))
+    assert ex.call_s(DECODE) == pytest.approx(cost.predict(DECODE) * ex.run_factor * math.exp(rng.choice(noise["call_log"])))
+    with_history = replace(cost, info={"noise": {**noise, "memory_gb_s_history": [30.0, 50.0]}})
+    assert RunNoise.of_profile(with_history.info).memory_gb_s == (30.0, 50.0)
+    assert NoisyExecutor(with_history, 7).memory_gb_s in (30.0, 50.0)
+
+
+def test_seeded_history_replicates_are_reproducible_and_spread_with_the_history():
+    cost = quiet(physical_model(), call_log=[-0.02, 0.0, 0.02])
+    wide, narrow = RunNoise((20.0, 40.0, 80.0)), RunNoise((40.0,))
+    e2e = lambda noise, seed: [r.metrics()["e2el_s"]["p50"] for r in  # noqa: E731
+                               replicates(burst, CONFIG, cost, 8, seed=seed, run_noise=noise)]
+    assert e2e(wide, 3) == e2e(wide, 3)
+    spread = lambda xs: (max(xs) - min(xs)) / min(xs)  # noqa: E731
+    assert spread(e2e(wide, 3)) > 3 * spread(e2e(narrow, 3))
+
+
+def test_calls_gb_s_recovers_the_bandwidth_the_calls_were_made_at():
+    phys = physical_model(machine=Machine(40.0, 400.0))
+    plans = [BatchPlan.of("t", [f"q{j}" for j in range(b)], (1,) * b, (100,) * b, (True,) * b, b) for b in (1, 2, 4, 8)]
+    at25 = at_run_bandwidth(phys, 25.0)
+    assert calls_gb_s(phys, [(p, at25.predict(p)) for p in plans]) == pytest.approx(25.0, rel=2e-3)
+    assert calls_gb_s(phys, []) is None
+
+
+def runs_of(rows=3):
+    """Three real runs per row; row i's calls saw 10·(i+1) GB/s and were stamped 100 + i."""
+    return [{"row": i, "repeat": k, "attempt": 0, "memory_gb_s": 100.0 + i, "calls_gb_s": 10.0 * (i + 1)}
+            for i in range(rows) for k in range(3)]
+
+
+def test_a_rows_band_draws_from_the_other_rows_runs_never_its_own():
+    cost = replace(physical_model(), info={"noise": {"round_log": [0.0]},
+                                           "memory_read_gb_s": {"before": 41.0, "after": 43.0},
+                                           "grid": {"round_stamps_gb_s": [42.0]}})
+    noise = row_run_noise(cost, runs_of(), 1, "history")
+    assert sorted(noise.memory_gb_s) == [10.0] * 3 + [30.0] * 3 + [41.0, 42.0, 43.0]  # no 20: row 1's own
+    assert "other rows" in noise.describe() and "3 calibration stamps" in noise.source
+    assert sorted(row_run_noise(cost, runs_of(), 0, "history", "stamps").memory_gb_s)[3:] == [101.0] * 3 + [102.0] * 3
+    assert row_run_noise(cost, runs_of(), 1, "rounds").memory_gb_s == ()  # the band before the history
+    assert calibration_stamps(cost.info) == [41.0, 43.0, 42.0]
+    # a profile with its own history draws from it instead of its calibration stamps
+    kept = replace(cost, info={**cost.info, "noise": {"memory_gb_s_history": [55.0]}})
+    assert sorted(row_run_noise(kept, runs_of(), 2, "history").memory_gb_s) == [10.0] * 3 + [20.0] * 3 + [55.0]
+
+
+def test_a_real_runs_call_bandwidth_comes_from_its_recorded_steps():
+    phys = physical_model(machine=Machine(40.0, 400.0))
+    at30 = at_run_bandwidth(phys, 30.0)
+    steps = [("decode", 0.0, 1.0, at30.predict(BatchPlan.of("r", [f"q{j}" for j in range(b)], (1,) * b, (64,) * b,
+                                                              (True,) * b, b)), [1] * b, [64] * b, [True] * b, b)
+             for b in (1, 3, 6)]
+    assert run_calls_gb_s(phys, {"steps": steps}) == pytest.approx(30.0, rel=2e-3)
+    assert run_calls_gb_s(None, {"steps": steps}) is None
+
+
+def test_the_machine_history_keeps_its_entries_and_ignores_another_machines(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINISERVE_BANDWIDTH_HISTORY_DIR", str(tmp_path))
+    assert bandwidth_history.load(2) == []
+    path = bandwidth_history.record(2, [40.0, 0.0, 44.0], "calibration stamp")  # a zero is no stamp
+    assert [e.gb_s for e in bandwidth_history.load(2)] == [40.0, 44.0]
+    assert bandwidth_history.load(4) == []  # another thread count is another machine
+    out = bandwidth_history.profile_history(2, [50.0])
+    assert out["memory_gb_s_history"] == [40.0, 44.0, 50.0] and "2 from this machine's history" in \
+        out["memory_gb_s_history_source"]
+    assert [e.gb_s for e in bandwidth_history.load(2)] == [40.0, 44.0, 50.0]
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "key": {**data["key"], "cpu": "another"}}))
+    assert bandwidth_history.load(2) == []
