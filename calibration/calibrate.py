@@ -31,7 +31,7 @@ class CalibrationConfig:
     heldout_fraction: float = 0.25
     repeats: int | None = None  # None: the grid's own
     warmup: int = 1
-    overhead_runs: int = 2  # engine runs timed for the step overhead; their calls join the fit
+    overhead_runs: int = 3  # engine runs timed for the step overhead; their calls join the fit, a shape's runs as its repeats
     seed: int = 0
     progress: bool = True
     robust: Robustness = field(default_factory=Robustness)
@@ -192,7 +192,8 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
         "after_idle": after_idle,  # CostModel.after_idle_s
         "roofline": {"machine": machine.to_dict(), "heldout": fit["roofline_heldout"]},
         "memory_read_gb_s": {"before": memory.before, "after": memory.after},  # CostModel.memory_read_gb_s
-        "grid": {"name": cfg.grid, "spec": asdict(spec), "calls": len(shapes), "engine_calls": len(engine_calls),
+        "grid": {"name": cfg.grid, "spec": asdict(spec), "calls": len(shapes),
+                 "engine_calls": sum(len(m.times_s) for m in engine_calls), "engine_shapes": len(engine_calls),
                  "repeats": cfg.repeats or spec.repeats, "warmup": cfg.warmup, "wall_s": wall,
                  "robust": asdict(cfg.robust), **mlog.to_dict()},
         "noise": {**noise_report([m.times_s for m in measurements], y, predicted, [m.shape.kind for m in measurements],

@@ -275,19 +275,23 @@ def step_overheads(steps) -> list[float]:
 
 
 def measure_engine_runs(runner: ModelRunner, max_num_seqs: int,
-                        runs: int = 2) -> tuple[OverheadSummary, list[Measurement]]:
+                        runs: int = 3) -> tuple[OverheadSummary, list[Measurement]]:
     """Serve a small burst (mixed prompt lengths, not the seed's) through the continuous Engine on
     this runner: the time outside the model call, from its StepRecords, and its model calls as
     measurements of kind "engine". Calls inside a serving loop run some percent slower than the
     same shapes timed back to back on the grid (caches, allocator, the Python between calls), so
-    the fit learns from them too and the error table scores them."""
+    the fit learns from them too and the error table scores them. Every run serves the same
+    lengths, so it makes the same plans: a shape's calls from all runs are one measurement, its
+    repeats, and the fit takes their typical time (one run in a slow spell had made single calls
+    20% off, the worst held-out error of a calibration)."""
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, long_prefill_token_threshold=32)
     engine = Engine(config, runner.model_config, runner=runner)
     workload = WorkloadConfig(num_requests=2 * max_num_seqs, prompt=LengthDist("uniform", low=4, high=40),
                               output=LengthDist("uniform", low=2, high=10), seed=7)
     overheads: list[float] = []
     before: list[float] = []
-    calls: list[Measurement] = []
+    times: dict[Shape, list[float]] = {}
+    plans: dict[Shape, BatchPlan] = {}
     busy = 0.0
     for k in range(runs + 1):  # the first run is a warm-up
         requests = make_requests(generate(workload), vocab_size=runner.vocab_size, seed=k, prefix=f"ovh{k}")
@@ -297,7 +301,11 @@ def measure_engine_runs(runner: ModelRunner, max_num_seqs: int,
             overheads += step_overheads(result.steps)
             before += [st.end_s - st.start_s - st.model_s for st in result.steps]
             busy += sum(s.model_s for s in result.steps)
-            calls += [Measurement(Shape.of_plan(s.plan, "engine"), s.plan, (s.model_s,)) for s in result.steps]
+            for st in result.steps:
+                shape = Shape.of_plan(st.plan, "engine")
+                plans.setdefault(shape, st.plan)
+                times.setdefault(shape, []).append(st.model_s)
+    calls = [Measurement(shape, plans[shape], tuple(ts)) for shape, ts in times.items()]
     arr = np.asarray(overheads)
     summary = OverheadSummary(float(np.median(arr)), float(arr.mean()), float(np.percentile(arr, 90)), len(arr),
                               float(arr.sum() / busy), float(np.median(before)), tuple(float(x) for x in arr))

@@ -37,7 +37,8 @@ def error_table_text(result) -> str:
     grid = info["grid"]
     lines.append(f"grid {grid['name']}: {grid['calls']} shapes × {grid['repeats']} repeats, "
                  f"{grid['contended_retries']} contended calls re-measured, plus {grid.get('engine_calls', 0)} "
-                 f"calls timed inside engine runs; {grid['wall_s']:.1f} s")
+                 f"calls timed inside engine runs ({grid.get('engine_shapes', grid.get('engine_calls', 0))} shapes); "
+                 f"{grid['wall_s']:.1f} s")
     return "\n".join(lines)
 
 

@@ -188,8 +188,12 @@ def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tmp_path):
     assert set(on["kernels"]) == {"gemv", "decode_attention", "layer_ops", "argmax"}
     assert data["grid"]["calls"] == len(build_grid(GRID_SPECS["quick"]))
     kinds = [m["kind"] for m in data["measurements"]]
-    assert kinds.count("engine") == data["grid"]["engine_calls"] == data["step_overhead"]["steps"] > 0
-    assert len(kinds) == data["grid"]["calls"] + data["grid"]["engine_calls"]
+    engine = [m for m in data["measurements"] if m["kind"] == "engine"]
+    # every engine call timed, once: each shape's calls from the runs (same lengths, same plans) are its repeats
+    assert sum(len(m["times_s"]) for m in engine) == data["grid"]["engine_calls"] == data["step_overhead"]["steps"] > 0
+    assert len(engine) == data["grid"]["engine_shapes"] == len({m["shape"] for m in engine})
+    assert max(len(m["times_s"]) for m in engine) == 3  # the default three runs replay the same plans
+    assert len(kinds) == data["grid"]["calls"] + data["grid"]["engine_shapes"]
     assert "engine" in data["fit"]["by_kind_heldout"]  # calls inside a serving loop are scored too
     assert (tmp_path / "calibration.png").stat().st_size > 10_000
     # both models fitted on the same calls and both reported; the profile says which its own model uses
