@@ -92,8 +92,8 @@ class Contention:
 class ValidateBands:
     """Simulated replicates with the profile's measured call noise, for each metric's 5–95% band."""
 
-    # 0: no bands. A 5–95% band read off N draws (np.percentile) holds a new draw from the same
-    # distribution with probability 0.9·(N−1)/(N+1) on average: 81% at 20, 88% at 100
+    # 0: no bands. The band's ends are the order statistics holding a new draw with chance ≥ 90%
+    # (sim.bands.prediction_ranks); more replicates make them less the luck of the draw
     replicates: int = 100
     seed: int = 0
     # the run-wide draw: "history" a memory bandwidth from the machine's stamps (the profile's

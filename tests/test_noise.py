@@ -12,7 +12,7 @@ from engine.core.config import SchedulerConfig
 from engine.core.request import Request
 from experiments.validate import Contention, contended, counted, row_passes
 from sim import CostModelExecutor, simulate
-from sim.bands import band, bands, conformal_band, inside, replicates, width
+from sim.bands import band, bands, conformal_band, inside, prediction_ranks, replicates, width
 from sim.executors import NoisyExecutor, cost_model_from
 
 
@@ -120,11 +120,15 @@ def test_without_noise_a_replicate_is_the_deterministic_simulation():
     assert NoisyExecutor(cost, 0).decode_costs(4) is None  # every step drawn on its own
 
 
-def test_band_is_the_5th_50th_95th_percentile_and_coverage_counts_ends():
+def test_band_is_a_90_percent_prediction_band_and_coverage_counts_ends():
+    # 101 draws: ranks 5 and 97 (1-based) hold a 102nd draw with chance 92/102 ≥ 0.9; plain
+    # percentiles (5 and 95) would hold it 90/102 < 0.9
     b = band(list(range(101)))
-    assert b == {"p5": 5.0, "p50": 50.0, "p95": 95.0}
-    assert inside(5.0, b) and inside(95.0, b) and not inside(95.01, b) and not inside(4.9, b)
-    assert width(b) == pytest.approx(0.9 * 100 / 50)
+    assert b == {"p5": 4.0, "p50": 50.0, "p95": 96.0}
+    assert inside(4.0, b) and inside(96.0, b) and not inside(96.01, b) and not inside(3.9, b)
+    assert width(b) == pytest.approx(92 / 50)
+    assert prediction_ranks(20) == (0, 19) and prediction_ranks(100) == (4, 95)  # 19/21, 91/101
+    assert prediction_ranks(5) == (0, 4)  # too few draws for 90%: the extremes
     assert set(bands([{"output_throughput_tok_s": 1.0, "ttft_s": {"p50": 1, "p99": 2}, "tpot_s": {"p50": 1, "p99": 1},
                        "e2el_s": {"p50": 1, "p99": 1}}])) >= {"output_throughput", "ttft_p50", "e2e_p99"}
 
