@@ -6,7 +6,8 @@ A shared host's memory speed drifts with its other tenants over hours (36–76 G
 calibration's 40–44), so the bands need a history longer than any one calibration. The file lives
 under ``~/.cache/miniserve/`` (``MINISERVE_BANDWIDTH_HISTORY_DIR`` moves it), named by a hash of
 what the stamps depend on (CPU model, host, CPU count, threads), like the kernels' dispatch table;
-a file whose key differs is another machine's and is ignored. Torch-free."""
+a file whose key differs is another machine's and is ignored. Its callers (calibrate, validate)
+run the engine, so the CPU's name comes from the engine's own reader (kernels.features.cpu_model)."""
 
 from __future__ import annotations
 
@@ -19,19 +20,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.model.kernels.features import cpu_model
+
 VERSION = 1
 KEEP = 2000  # newest entries kept: months of calibrations and validations
-
-
-def cpu_model() -> str:
-    """``model name`` from /proc/cpuinfo, else what platform says (no torch, unlike the kernels')."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_key(threads: int) -> dict:
