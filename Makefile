@@ -9,7 +9,7 @@ EXTRAS ?= dev
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: setup seed test lint clean
+.PHONY: setup compiled seed test lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
-setup: $(STAMP)
+setup: $(STAMP)  ## and the compiled core, if mypyc can build it here (else the simulator runs as plain Python)
+	@$(BIN)/python -m engine.compiled >/dev/null 2>&1 || echo "note: compiled core not built (python -m engine.compiled says why); the simulator runs as plain Python"
+
+compiled: $(STAMP)  ## the simulator's hot path compiled with mypyc (engine/compiled): fails loudly if it cannot
+	$(BIN)/python -m engine.compiled
 
 seed: setup  ## the seed's experiment on the built-in Qwen2.5-0.5B-shaped model
 	$(BIN)/python -m experiments.seed $(ARGS)

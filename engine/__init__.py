@@ -7,3 +7,7 @@
 - ``serving``: the HTTP server around the step loop; ``loadgen``: the client that drives it.
 - ``llm_engine``: the step loop with a ``ModelRunner`` on the wall clock.
 """
+
+from engine.compiled import install as _install_compiled
+
+_install_compiled()  # a compiled build of the core, if one matches these sources (engine/compiled.py)

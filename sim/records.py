@@ -4,7 +4,7 @@ Full mode keeps engine.observe.metrics.RequestRecord (every token time), exactly
 summarizes with engine.observe.metrics.summarize. Compact mode, for runs of a million requests, keeps a
 few numbers per request in typed arrays and streams inter-token latencies into a log-binned
 histogram: TTFT, TPOT, E2E and queue distributions stay exact, ITL mean and std are exact and
-ITL percentiles are within ``ItlSketch.RELATIVE_ERROR``. Both give metrics.json the same keys.
+ITL percentiles are within ``RELATIVE_ERROR``. Both give metrics.json the same keys.
 """
 
 from __future__ import annotations
@@ -20,16 +20,20 @@ from engine.observe.metrics import (PERCENTILES, RequestRecord, distribution, re
 from engine.core.request import Request, RequestStatus
 
 
+# ItlSketch's bins (module constants: a compiled build reads them as C constants)
+BINS_PER_DECADE = 1000
+LOW_DECADE, HIGH_DECADE = -9, 6  # 1 ns … 11.6 days
+RELATIVE_ERROR = 10 ** (0.5 / BINS_PER_DECADE) - 1  # half a bin: 0.12 %
+FLUSH_AT = 1 << 16  # gaps buffered before they are binned
+ROWS_PER_FLUSH = 4096  # compact rows buffered as tuples, then moved into the typed arrays
+
+
 class ItlSketch:
     """Streaming inter-token latencies: exact count, mean and std; percentiles from log bins."""
 
-    BINS_PER_DECADE = 1000
-    LOW_DECADE, HIGH_DECADE = -9, 6  # 1 ns … 11.6 days
-    RELATIVE_ERROR = 10 ** (0.5 / BINS_PER_DECADE) - 1  # half a bin: 0.12 %
-    FLUSH_AT = 1 << 16  # buffered gaps
 
     def __init__(self) -> None:
-        nbins = (self.HIGH_DECADE - self.LOW_DECADE) * self.BINS_PER_DECADE
+        nbins = (HIGH_DECADE - LOW_DECADE) * BINS_PER_DECADE
         self.counts = np.zeros(nbins + 2, dtype=np.int64)  # [0] zeros and underflow, [-1] overflow
         self.n = 0
         self.mean = 0.0
@@ -41,21 +45,21 @@ class ItlSketch:
         """``count`` gaps of ``gap_s`` (a decode-lane step: every member's gap is the same)."""
         self._gaps.append(gap_s)
         self._weights.append(count)
-        if len(self._gaps) >= self.FLUSH_AT:
+        if len(self._gaps) >= FLUSH_AT:
             self._flush()
 
     def add_many(self, gaps: list[float], count: int) -> None:
         """``count`` gaps of each value in ``gaps`` (a run of decode steps, each step's members)."""
         self._gaps += gaps
         self._weights += [count] * len(gaps)
-        if len(self._gaps) >= self.FLUSH_AT:
+        if len(self._gaps) >= FLUSH_AT:
             self._flush()
 
     def add_gaps(self, gaps: list[float]) -> None:
         """Single gaps (a finished request's, those no uniform step counted)."""
         self._gaps += gaps
         self._weights += [1] * len(gaps)
-        if len(self._gaps) >= self.FLUSH_AT:
+        if len(self._gaps) >= FLUSH_AT:
             self._flush()
 
     def _flush(self) -> None:
@@ -78,7 +82,7 @@ class ItlSketch:
         self.m2 += m2 + delta * delta * self.n * n / total
         self.n = total
         with np.errstate(divide="ignore"):
-            idx = np.floor((np.log10(gaps) - self.LOW_DECADE) * self.BINS_PER_DECADE).astype(np.int64) + 1
+            idx = np.floor((np.log10(gaps) - LOW_DECADE) * BINS_PER_DECADE).astype(np.int64) + 1
         idx = np.clip(np.where(gaps > 0, idx, 0), 0, len(self.counts) - 1)
         self.counts += np.bincount(idx, weights=weights, minlength=len(self.counts)).astype(np.int64)
 
@@ -87,7 +91,7 @@ class ItlSketch:
         i = int(np.searchsorted(np.cumsum(self.counts), rank, side="right"))
         if i == 0:
             return 0.0
-        return 10 ** (self.LOW_DECADE + (i - 1 + 0.5) / self.BINS_PER_DECADE)
+        return 10 ** (LOW_DECADE + (i - 1 + 0.5) / BINS_PER_DECADE)
 
     def distribution(self) -> dict[str, float]:
         self._flush()
@@ -113,7 +117,6 @@ class RequestLog:
 
     COLUMNS = ("arrival", "first_scheduled", "first_token", "finish", "prompt", "output", "preemptions", "cached",
                "lookups")
-    ROWS_PER_FLUSH = 4096  # compact rows buffered as tuples, then moved into the typed arrays
 
     def __init__(self, keep_token_times: bool = True) -> None:
         self.keep_token_times = keep_token_times
@@ -147,7 +150,7 @@ class RequestLog:
                            times[0] if times else math.nan, times[-1] if times else math.nan,
                            request.num_prompt_tokens, len(times), request.num_preemptions, request.num_cached_tokens,
                            request.num_lookup_tokens))
-        if len(self._rows) >= self.ROWS_PER_FLUSH:
+        if len(self._rows) >= ROWS_PER_FLUSH:
             self._flush_rows()
         self.itl.add_gaps(request.gaps_outside_lane_steps())
 

@@ -20,7 +20,7 @@ SHAPE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
 # What transformers' Qwen2Config / Qwen3Config put in ``to_dict()`` for a key the JSON leaves out
 # (Qwen2 has no head_dim attribute unless one is given; Qwen3 defaults it to 128).
-_DEFAULTS = {
+_DEFAULTS: dict[str, dict[str, object]] = {
     "qwen2": {"hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32, "num_attention_heads": 32,
               "num_key_value_heads": 32, "head_dim": None, "vocab_size": 151936, "tie_word_embeddings": False},
     "qwen3": {"hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32, "num_attention_heads": 32,

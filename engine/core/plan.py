@@ -71,7 +71,8 @@ class BatchPlan:
     def _lane(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         part = self._lane_part
         if part is None:
-            part = self._lane_part = self.lane_ids() if self.lane_size else ((), ())
+            lane_ids = self.lane_ids  # set whenever lane_size is (__post_init__)
+            part = self._lane_part = lane_ids() if lane_ids is not None and self.lane_size else ((), ())
         return part
 
     def materialize(self) -> BatchPlan:

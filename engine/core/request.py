@@ -27,7 +27,7 @@ class RequestStatus(IntEnum):
         return self >= RequestStatus.FINISHED_LENGTH
 
 
-@dataclass(eq=False, slots=True, weakref_slot=True)
+@dataclass(eq=False, slots=True)
 class Request:
     """One generation request.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from engine.core.block_pool import KVBlockPool
 from engine.core.config import SchedulerConfig
@@ -152,7 +153,7 @@ class ServingState:
         finished, (gap, count) = lane.advance_many(ends)
         for request in finished:
             self.running.remove(request)
-            self._finish(request, request.stop_reason(), end)
+            self._finish(request, cast(RequestStatus, request.stop_reason()), end)  # reached max_tokens
         if on_gaps is not None:
             if count:
                 on_gaps([gap], count)
@@ -273,7 +274,7 @@ class ServingState:
             done.sort(key=BY_ADMISSION)
         for request in done:
             self.running.remove(request)
-            self._finish(request, request.stop_reason(), end_s)
+            self._finish(request, cast(RequestStatus, request.stop_reason()), end_s)  # length or EOS
         return done
 
     def _finish(self, request: Request, status: RequestStatus, now_s: float) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 from engine.core.config import SchedulerConfig
 from engine.core.plan import BatchPlan, LaneIds
@@ -11,7 +12,7 @@ from engine.core.state import ServingState
 
 
 class Scheduler(ABC):
-    name: str
+    name: ClassVar[str]  # class-level: the registry (scheduler/__init__.py) reads it off the class
     # True when the policy's next step is "every decoding request together, nothing else" in two
     # cases the step loop can see without asking it: (1) after such a step, until a request
     # arrives to an empty queue (behind a head that could not be admitted, first come first
@@ -19,7 +20,7 @@ class Scheduler(ABC):
     # step that leaves nothing waiting and every running request decoding, within the token
     # budget. Either way, blocks short make it ask the policy. True for every policy here (it
     # follows from their rules); a policy for which it does not hold leaves it False.
-    decode_steps_repeat: bool = False
+    decode_steps_repeat: ClassVar[bool] = False
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config

@@ -33,7 +33,9 @@ class StaticScheduler(Scheduler):
         if not members:
             return None
         if state.num_decoding == len(members):  # the whole group decodes, together
-            count, context_sum, ids = state.decode_together()  # never short: the group holds its KV
+            together = state.decode_together()
+            assert together is not None  # never short: the group holds its KV
+            count, context_sum, ids = together
             return BatchPlan(self.name, lane_size=count, lane_context_sum=context_sum, lane_ids=ids)
         to_prefill = [r for r in members if r.num_output_tokens == 0]  # admitted, prefilled in one call
         if to_prefill:

@@ -1,0 +1,88 @@
+"""The compiled core (engine/compiled): the same simulation as plain Python, and used only when it
+was built from the sources in the checkout."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import engine.compiled as compiled
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# a run that touches every compiled module: chunked prefill, preemption (few blocks), repeated
+# decode steps, compact and full records; prints what must not depend on the build
+RUN = """
+import hashlib, importlib, json, sys
+import engine.compiled as compiled
+from engine.core.config import SchedulerConfig
+from engine.observe.workload import LengthDist, WorkloadConfig
+from sim import CostModelExecutor, simulate, workload_requests
+from sim.executors import cost_model_from
+
+cost = cost_model_from(step_overhead_s=1e-3, const=4e-3, prefill_tokens=2e-5, decode_tokens=5e-5,
+                       decode_context=1e-8, prefill_attention=1e-9, num_requests=1e-5)
+wl = WorkloadConfig(arrival="gamma", burstiness=0.5, num_requests=300, rate=40.0, seed=3,
+                    prompt=LengthDist(kind="lognormal", value=300, sigma=0.6, max=1500),
+                    output=LengthDist(kind="lognormal", value=60, sigma=0.6, max=400))
+out = {"active": compiled.active(), "files": {m: importlib.import_module(m).__file__ for m in compiled.MODULES}}
+for keep in (True, False):
+    for cap in (8, 32):
+        config = SchedulerConfig(name="continuous", max_num_seqs=cap, max_num_batched_tokens=512,
+                                 long_prefill_token_threshold=256, num_kv_blocks=160, block_size=16,
+                                 max_model_len=2048)
+        result = simulate(workload_requests(wl)[0], config, lambda: CostModelExecutor(cost),
+                          keep_token_times=keep, keep_steps=keep)
+        digest = hashlib.sha256(repr([(s.plan._key(), float(s.start_s), s.end_s, s.model_s) for s in result.steps]).encode()).hexdigest()
+        times = [r.token_times_s for r in result.records] if keep else None
+        out[f"{keep}-{cap}"] = [result.metrics(), result.num_steps, digest, repr(times)]
+print(json.dumps(out))
+"""
+
+
+def _run(env_extra: dict[str, str]) -> dict:
+    env = {**os.environ, **env_extra}
+    done = subprocess.run([sys.executable, "-c", RUN], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_compiled_core_runs_the_same_simulation_as_plain_python():
+    compiled.build()  # a no-op where `make compiled` has built these sources (CI does)
+    fast = _run({"MINISERVE_COMPILED": "1"})
+    plain = _run({"MINISERVE_COMPILED": "0"})
+    assert fast.pop("active") and not plain.pop("active")
+    assert all(f.endswith(".so") for f in fast.pop("files").values())
+    assert all(f.endswith(".py") for f in plain.pop("files").values())
+    assert fast == plain
+    assert any(metrics[1] > 0 for metrics in fast.values())
+
+
+def test_a_build_from_other_sources_is_never_used(tmp_path):
+    stale = tmp_path / "0123456789abcdef"
+    stale.mkdir()
+    (stale / "manifest.json").write_text(json.dumps({"key": stale.name, "modules": {}}))
+    done = subprocess.run([sys.executable, "-c", "import engine.compiled as c, engine.core.state as s; "
+                           "print(c.active(), s.__file__)"], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "MINISERVE_COMPILED_DIR": str(tmp_path), "MINISERVE_COMPILED": "1"})
+    assert done.returncode == 0, done.stderr
+    active, file = done.stdout.split()
+    assert active == "False" and file.endswith("state.py")
+    assert "built from other sources" in done.stderr
+
+
+def test_the_build_key_follows_every_compiled_source(tmp_path):
+    for module in compiled.MODULES:
+        rel = module.replace(".", "/") + ".py"
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes((ROOT / rel).read_bytes())
+    key = compiled.source_key(tmp_path)
+    assert key == compiled.source_key()
+    for module in compiled.MODULES:  # one byte more in any of them: another build
+        path = tmp_path / (module.replace(".", "/") + ".py")
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n")
+        assert compiled.source_key(tmp_path) != key, module
+        path.write_bytes(original)
