@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from calibration.cost_model import FEATURES, CostModel, ProfileMismatchError
 from calibration.noise import RunNoise
@@ -21,14 +21,17 @@ from engine.core.plan import BatchPlan, StepResult
 from engine.core.request import Request
 
 
-def cost_model_from(step_overhead_s: float = 0.0, fingerprint: str | None = None, kv_copy_s_per_token: float = 0.0,
-                    **coefficients: float) -> CostModel:
+def cost_model_from(**terms: Any) -> CostModel:
     """A CostModel given by feature name (the rest zero), for tests and stand-ins: it stays valid
-    when calibration adds features."""
-    unknown = set(coefficients) - set(FEATURES)
+    when calibration adds features. Besides features: ``step_overhead_s``, ``kv_copy_s_per_token``
+    and ``fingerprint``. (Keywords only: mypyc cannot compile defaults followed by ``**``.)"""
+    step_overhead_s = float(terms.pop("step_overhead_s", 0.0))
+    kv_copy_s_per_token = float(terms.pop("kv_copy_s_per_token", 0.0))
+    fingerprint = terms.pop("fingerprint", None)
+    unknown = set(terms) - set(FEATURES)
     if unknown:
         raise ValueError(f"unknown cost features {sorted(unknown)}; known: {list(FEATURES)}")
-    return CostModel(tuple(float(coefficients.get(name, 0.0)) for name in FEATURES), step_overhead_s,
+    return CostModel(tuple(float(terms.get(name, 0.0)) for name in FEATURES), step_overhead_s,
                      fingerprint=fingerprint, kv_copy_s_per_token=kv_copy_s_per_token)
 
 
@@ -59,7 +62,7 @@ class CostModelExecutor:
     engine sat idle before it) and its tokens come out at its end; the rest of
     ``step_overhead_s`` (sampling bookkeeping, the loop) passes before the next step can start."""
 
-    def __init__(self, cost_model: CostModel) -> None:
+    def __init__(self, cost_model: AnyCostModel) -> None:
         self.cost_model = cost_model
         self._predict = cost_model.predict
         self._predict_decodes = cost_model.predict_decodes
@@ -150,7 +153,7 @@ def physical_model(cost_model: AnyCostModel) -> PhysicalCostModel | None:
         return None
 
 
-class ReplayDivergedError(RuntimeError):
+class ReplayDivergedError(Exception):
     """The simulation scheduled something the replayed real run did not."""
 
 

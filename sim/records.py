@@ -10,6 +10,7 @@ ITL percentiles are within ``RELATIVE_ERROR``. Both give metrics.json the same k
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 from array import array
 from pathlib import Path
 
@@ -115,8 +116,8 @@ def _numpy(a: array) -> np.ndarray:
 class RequestLog:
     """Finished requests of one simulated run."""
 
-    COLUMNS = ("arrival", "first_scheduled", "first_token", "finish", "prompt", "output", "preemptions", "cached",
-               "lookups")
+    COLUMNS: ClassVar[tuple[str, ...]] = ("arrival", "first_scheduled", "first_token", "finish", "prompt", "output",
+                                          "preemptions", "cached", "lookups")
 
     def __init__(self, keep_token_times: bool = True) -> None:
         self.keep_token_times = keep_token_times

@@ -18,7 +18,7 @@ from engine.observe.trace import summarize_trace, write_chrome_trace
 from engine.observe.workload import WorkloadConfig
 from sim import workload_requests
 from sim.capacity import CapacityResult, search_capacity
-from sim.simulator import SimResult, TimeSeries, simulate
+from sim.simulator import TIMESERIES_COLUMNS, SimResult, TimeSeries, simulate
 from sim.executors import CostModelExecutor
 
 
@@ -112,7 +112,7 @@ def saturation_rate(cost: AnyCostModel, scheduler: SchedulerConfig, workload: Wo
 def write_timeseries_csv(series: TimeSeries, path: Path) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(TimeSeries.COLUMNS)
+        w.writerow(TIMESERIES_COLUMNS)
         w.writerows(series.rows())
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import gc
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 
 import simpy
@@ -27,6 +28,9 @@ from sim.router import make_router
 from sim.executors import SimExecutor
 
 
+TIMESERIES_COLUMNS = ("time_s", "replica", "queue", "active", "kv_blocks_used")  # TimeSeries.rows() order
+
+
 @dataclass
 class TimeSeries:
     """Sampled at every step start, after scheduling: what the step sees."""
@@ -36,8 +40,6 @@ class TimeSeries:
     queue: array = field(default_factory=lambda: array("l"))
     active: array = field(default_factory=lambda: array("l"))
     kv_blocks_used: array = field(default_factory=lambda: array("l"))
-
-    COLUMNS = ("time_s", "replica", "queue", "active", "kv_blocks_used")
 
     def __len__(self) -> int:
         return len(self.time_s)
@@ -56,7 +58,7 @@ class SimResult:
     num_replicas: int
 
     @property
-    def records(self):
+    def records(self) -> list:
         """engine.observe.metrics.RequestRecord per finished request (``keep_token_times`` runs)."""
         if not self.log.keep_token_times:
             raise ValueError("this run kept compact records only (keep_token_times=False)")
@@ -121,7 +123,7 @@ class Replica:
             self._wakeup.succeed()
             self._wakeup = None
 
-    def run(self):
+    def run(self) -> Generator[Event, Any, None]:
         """The engine loop (a SimPy process). Times are carried exactly in ``now``/``end``;
         ``env.now`` only orders events. In open loop, a wait that no other event falls into
         (``env.peek()`` is later) is not yielded to SimPy: nothing could observe it."""
@@ -152,7 +154,7 @@ class Replica:
                 if idle_from is None:
                     idle_from = now
                 if arrivals:  # delivered, not yet arrived (or a rounding hair ahead of now)
-                    later = arrivals.next_arrival_s
+                    later = arrivals.next_s
                     yield timeout(later - env.now)
                     now = later
                 elif self.closed:
@@ -237,7 +239,7 @@ class Simulation:
         for replica in self.replicas:
             replica.close()
 
-    def _open_loop(self, requests: Iterator[Request]):
+    def _open_loop(self, requests: Iterator[Request]) -> Generator[Event, Any, None]:
         """Deliver each request at its arrival time; or, when the router's pick does not depend on
         the replicas' load, in batches of EARLY_DELIVERIES ahead of time: a replica admits nothing
         before its arrival_s either way, and the engines run on without an event per arrival."""

@@ -33,11 +33,12 @@ MODULES = (
     "engine.core.arrivals", "engine.core.block_pool", "engine.core.engine_core",
     "engine.core.lane", "engine.core.plan", "engine.core.request", "engine.core.sampling", "engine.core.state",
     "engine.core.scheduler.base", "engine.core.scheduler.continuous", "engine.core.scheduler.static",
-    "calibration.cost_model", "sim.records",
+    "calibration.cost_model", "sim.executors", "sim.records", "sim.simulator",
 )
 PACKAGES = ("engine", "calibration", "sim")  # copied whole into the build directory: mypy reads their imports
 
 _active: dict[str, str] = {}  # module -> compiled file, once installed
+_status = "not installed"
 
 
 def compiled_dir() -> Path:
@@ -69,35 +70,37 @@ class _CompiledFinder(importlib.abc.MetaPathFinder):
 
 def install() -> bool:
     """Use the build for the current sources, if there is one (engine/__init__.py calls this
-    before any compiled module can be imported). True when installed."""
+    before any compiled module can be imported). True when installed; ``status()`` says why not."""
+    global _status
     if _active:
         return True
-    if os.environ.get("MINISERVE_COMPILED", "1") == "0":
-        return False
     root = compiled_dir()
-    if not root.is_dir():
+    if os.environ.get("MINISERVE_COMPILED", "1") == "0":
+        _status = "off (MINISERVE_COMPILED=0): plain Python"
         return False
     build = root / source_key()
     manifest = build / "manifest.json"
     if not manifest.is_file():
-        if any(root.glob("*/manifest.json")):
-            _warn("the compiled core in %s was built from other sources than these; the simulator "
-                        "runs as plain Python until `make compiled` (python -m engine.compiled) rebuilds it", root)
+        stale = root.is_dir() and any(root.glob("*/manifest.json"))
+        _status = (f"not built for these sources (the builds in {root} are from other sources): plain Python "
+                   "until `make compiled`" if stale else "not built: plain Python (`make compiled` builds it)")
         return False
     already = [m for m in MODULES if m in sys.modules]
     if already:  # imported as Python before engine: mixing the two builds' classes would fail
-        _warn("compiled core not used: %s imported before engine", ", ".join(already))
+        _status = f"not used: {', '.join(already)} imported before engine; plain Python"
         return False
     files = {module: str(build / rel) for module, rel in json.loads(manifest.read_text())["modules"].items()}
     sys.meta_path.insert(0, _CompiledFinder(files))
     _active.update(files)
+    _status = f"compiled ({build})"
     return True
 
 
-def _warn(message: str, *args: object) -> None:
-    import logging  # here, not at the top: the core imports no clock (tests/test_torch_free.py)
-
-    logging.getLogger(__name__).warning(message, *args)
+def status() -> str:
+    """One line for an app's log: whether the core runs compiled, and if not, why."""
+    if _active and not active():
+        return f"{_status}, but some modules were imported as Python"
+    return _status
 
 
 def active() -> bool:
