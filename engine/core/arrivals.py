@@ -58,10 +58,11 @@ class ArrivalQueue:
     def pop_due(self, now_s: float) -> list[Request]:
         """Every request with ``arrival_s <= now_s``, in arrival order (callers on a hot path test
         ``next_s <= now_s`` first)."""
-        pending = self._pending
+        pending, ids = self._pending, self._ids
         due = []
         while pending and pending[0].arrival_s <= now_s:
-            due.append(pending.popleft())
-        self._ids.difference_update(r.request_id for r in due)
+            request = pending.popleft()
+            ids.discard(request.request_id)
+            due.append(request)
         self._update_next()
         return due
