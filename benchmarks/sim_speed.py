@@ -3,6 +3,8 @@ through the continuous scheduler (max_num_seqs 64), at 10k and 100k requests (1M
 
     flock /tmp/miniserve-bench.lock python benchmarks/sim_speed.py [--profile PROFILE] [--million] [--against DIR]
 
+It runs the compiled core when one is built for these sources (``make compiled``, engine/compiled;
+the first line says), plain Python otherwise or with MINISERVE_COMPILED=0.
 Each size runs in a fresh process (clean peak-memory numbers), ``--repeats`` times; the median
 wall time is reported. Without --profile the step costs are the explicit stand-in coefficients
 below (printed), chosen only to set the load: simulator speed depends on how many requests are
@@ -92,6 +94,8 @@ def main() -> None:
         print(json.dumps(run_once(args.one, args.rate, args.profile, args.keep_steps)))
         return
 
+    from engine.compiled import status
+    print(f"core: {status()}")
     if not args.profile:
         nonzero = {k: c for k, c in zip(STAND_IN.feature_names, STAND_IN.coefficients) if c}
         print(f"step costs: stand-in coefficients {nonzero}, overhead {STAND_IN.step_overhead_s} s "

@@ -23,6 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 
 from calibration.noise import RunNoise
 from calibration.physical import WhatIf
+from engine.compiled import status as compiled_status
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.observe.results import Goodput, write_results_json
 from engine.observe.workload import WorkloadConfig
@@ -99,6 +100,7 @@ def run_app(app: SimulateApp, out_dir: Path) -> dict:
     cost = load_cost_model(app.calibration.profile, app.model,
                            what_if=WhatIf(what_if.memory_gb_s, what_if.matmul_gflops))
     options = SimOptions(app.replicas, app.router, app.keep_token_times, app.trace, app.timeseries)
+    log.info("core: %s", compiled_status())
     result = run_workload(cost, app.scheduler, app.workload, options)
     goodput = Goodput.parse(app.goodput)
     metrics = write_outputs(result, out_dir, app.scheduler.max_num_seqs, goodput, cost)
