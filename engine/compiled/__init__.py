@@ -48,9 +48,11 @@ def compiled_dir() -> Path:
 def source_key(root: Path = ROOT) -> str:
     """What a build is valid for: the compiled modules' sources (in ``root``) and this interpreter's ABI."""
     digest = hashlib.sha256(sysconfig.get_config_var("EXT_SUFFIX").encode())
-    for module in MODULES:
-        digest.update(module.encode())
-        digest.update((root / (module.replace(".", "/") + ".py")).read_bytes())
+    digest.update(" ".join(MODULES).encode())
+    for package in PACKAGES:  # every source mypy reads: compiled code fixes the types of what it imports
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
