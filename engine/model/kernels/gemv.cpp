@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -48,29 +49,51 @@ bool cpu_has(bool bf16) {  // bf16 also needs AVX512-BF16's dot products
   return bf16 ? cpu_has_avx512_bf16() : cpu_has_avx512();
 }
 
+// What a kernel call asks the memory for while it multiplies (both kinds of step are 128 bytes: one
+// k step of a fp32 panel, one k pair of a bf16 one). `ahead` > 0: each k step asks for the weights
+// `ahead` steps on (a stream: past this panel's end that is the next panel's start, panels are
+// contiguous). Otherwise, the steps [next, end) (bytes), one every `every` k steps: a share of the
+// next k block, spread over the call so that memory works while the arithmetic runs.
+struct Prefetch {
+  int64_t ahead = 0;
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int64_t every = 1;
+};
+constexpr int64_t kStepBytes = 128;
+
+MINISERVE_TARGET inline void prefetch_step(const char* p) {
+  _mm_prefetch(p, _MM_HINT_T0);
+  _mm_prefetch(p + 64, _MM_HINT_T0);
+}
+
 // One block of M rows times one panel over the weights' k range [k0, k1): the running sums come
 // from `part` (M × 32 fp32; zero when k0 == 0) and go back to it, so splitting K changes no
-// rounding. With `prefetch`, each k step also asks for the weights `ahead` k steps on (past this
-// panel's end that is the next panel's start: panels are contiguous).
+// rounding. `pf` says what to prefetch meanwhile: with Spread its [next, end), else `ahead`.
 // wp: (panels, K, 32) fp32
-template <int M>
+template <int M, bool Spread>
 MINISERVE_TARGET void panel_f32(const float* x, int64_t K, const float* w, int64_t k0, int64_t k1, float* part,
-                                bool prefetch, int64_t ahead) {
+                                Prefetch pf) {
   __m512 a0[M], a1[M];
   for (int m = 0; m < M; ++m) {
     a0[m] = k0 ? _mm512_loadu_ps(part + m * kPanel) : _mm512_setzero_ps();
     a1[m] = k0 ? _mm512_loadu_ps(part + m * kPanel + 16) : _mm512_setzero_ps();
   }
-  for (int64_t k = k0; k < k1; ++k) {
-    if (prefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + ahead) * kPanel), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + ahead) * kPanel + 16), _MM_HINT_T0);
+  for (int64_t k = k0; k < k1;) {  // Spread: runs of `every` k steps, each after one step's prefetch
+    int64_t run_end = k1;
+    if (Spread && pf.next < pf.end) {
+      run_end = std::min(k1, k + pf.every);
+      prefetch_step(pf.next);
+      pf.next += kStepBytes;
     }
-    const __m512 w0 = _mm512_loadu_ps(w + k * kPanel), w1 = _mm512_loadu_ps(w + k * kPanel + 16);
-    for (int m = 0; m < M; ++m) {
-      const __m512 xb = _mm512_set1_ps(x[m * K + k]);
-      a0[m] = _mm512_fmadd_ps(w0, xb, a0[m]);
-      a1[m] = _mm512_fmadd_ps(w1, xb, a1[m]);
+    for (; k < run_end; ++k) {
+      if (!Spread && pf.ahead) prefetch_step(reinterpret_cast<const char*>(w + (k + pf.ahead) * kPanel));
+      const __m512 w0 = _mm512_loadu_ps(w + k * kPanel), w1 = _mm512_loadu_ps(w + k * kPanel + 16);
+      for (int m = 0; m < M; ++m) {
+        const __m512 xb = _mm512_set1_ps(x[m * K + k]);
+        a0[m] = _mm512_fmadd_ps(w0, xb, a0[m]);
+        a1[m] = _mm512_fmadd_ps(w1, xb, a1[m]);
+      }
     }
   }
   for (int m = 0; m < M; ++m) {
@@ -81,10 +104,9 @@ MINISERVE_TARGET void panel_f32(const float* x, int64_t K, const float* w, int64
 
 // The same over k pairs [kk0, kk1). wp: (panels, ceil(K / 2), 32, 2) bf16: lane j of a vector
 // holds output j's weights for k pair kk.
-template <int M>
+template <int M, bool Spread>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16"))) void panel_bf16(
-    const uint16_t* x, int64_t K, const uint16_t* w, int64_t kk0, int64_t kk1, float* part, bool prefetch,
-    int64_t ahead) {
+    const uint16_t* x, int64_t K, const uint16_t* w, int64_t kk0, int64_t kk1, float* part, Prefetch pf) {
   const int64_t full = K / 2;
   __m512 a0[M], a1[M];
   for (int m = 0; m < M; ++m) {
@@ -95,19 +117,24 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16"))) voi
   // product. The last pair of an odd K has no x[2kk + 1] (its weights there are 0): it is done
   // apart, so the main loop has no branch and its sums stay in registers.
   const int64_t paired_end = std::min(kk1, full);
-  for (int64_t kk = kk0; kk < paired_end; ++kk) {
-    if (prefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (kk + ahead) * kPanel * 2), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (kk + ahead) * kPanel * 2 + 32), _MM_HINT_T0);
+  for (int64_t kk = kk0; kk < paired_end;) {  // as panel_f32's
+    int64_t run_end = paired_end;
+    if (Spread && pf.next < pf.end) {
+      run_end = std::min(paired_end, kk + pf.every);
+      prefetch_step(pf.next);
+      pf.next += kStepBytes;
     }
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + kk * kPanel * 2);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kk * kPanel * 2 + 32);
-    for (int m = 0; m < M; ++m) {
-      uint32_t pair;
-      std::memcpy(&pair, x + m * K + 2 * kk, 4);
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      a0[m] = _mm512_dpbf16_ps(a0[m], w0, xb);
-      a1[m] = _mm512_dpbf16_ps(a1[m], w1, xb);
+    for (; kk < run_end; ++kk) {
+      if (!Spread && pf.ahead) prefetch_step(reinterpret_cast<const char*>(w + (kk + pf.ahead) * kPanel * 2));
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + kk * kPanel * 2);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kk * kPanel * 2 + 32);
+      for (int m = 0; m < M; ++m) {
+        uint32_t pair;
+        std::memcpy(&pair, x + m * K + 2 * kk, 4);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        a0[m] = _mm512_dpbf16_ps(a0[m], w0, xb);
+        a1[m] = _mm512_dpbf16_ps(a1[m], w1, xb);
+      }
     }
   }
   if (kk1 > full) {  // kk == full: K is odd
@@ -165,11 +192,15 @@ void for_chunks(int64_t M, int64_t row_block, Fn&& fn) {
 // decode step) a panel is multiplied in one sweep of K while its weights stream from memory, each
 // k step asking for the weights kStreamAhead bytes on (past 1 row: the hardware prefetcher alone
 // keeps up with one row's arithmetic, not with eight's). Past 8 rows, K is cut into blocks of
-// `block_steps` k steps (k pairs in bf16; dispatch.k_block sizes them to the L1 cache): every
-// 8-row block of the row_block rows multiplies a k block in turn while it sits in cache, so the
-// weights come from memory once per row_block rows, and every pass asks for the next k block, so
-// it streams in during the arithmetic on this one (without that, memory and arithmetic took
-// turns: at 32 rows the product cost the weight stream plus three quarters of the FLOPs).
+// `block_steps` k steps (k pairs in bf16; dispatch.k_block sizes them to two thirds of the L1
+// cache): every 8-row block of the row_block rows multiplies a k block in turn while it sits in
+// cache, so the weights come from memory once per row_block rows. Meanwhile the next k block is
+// asked for, each pass a 1/passes share of it, one k step every few of its own: the requests go
+// out at the pace the arithmetic consumes the weights, so memory works all through the block
+// (without that, memory and arithmetic took turns: at 32 rows the product cost the weight stream
+// plus three quarters of the FLOPs; asking for the whole next block in each pass, or in the first
+// one, sent the requests out in bursts and pushed this block out of the L1 before its later
+// passes: 0.93x (fp32) and 0.94x (bf16) the time of that at 32 rows, docs/architecture.md).
 constexpr int64_t kStreamAhead = 16 << 10;
 
 template <typename T, typename Kernel>
@@ -178,24 +209,47 @@ void run_panels(const T* xp, const T* wpp, const T* bp, T* yp, int64_t M, int64_
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const int64_t grain = std::max<int64_t>(1, panels / std::max(1, at::get_num_threads()));
   const int64_t step_elems = kPanel * (sizeof(T) == 2 ? 2 : 1), panel_elems = steps * step_elems;
+  static_assert(kPanel * 4 == kStepBytes, "a k step of a panel is 128 bytes in fp32 and in bf16");
   for_chunks(M, row_block, [&](int64_t r0, int64_t r1, int64_t last) {
     const int64_t rows = r1 - r0;
-    const bool blocked = rows > kBlockRows, prefetch = rows > 1;
+    const bool blocked = rows > kBlockRows;
     const int64_t block = blocked ? std::max<int64_t>(1, block_steps) : steps;
-    const int64_t ahead = blocked ? block : kStreamAhead / static_cast<int64_t>(step_elems * sizeof(T));
+    const int64_t passes = (rows + kBlockRows - 1) / kBlockRows;
     at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
       std::vector<float> part(rows * kPanel);  // the running sums of one panel's outputs
+      Prefetch stream;
+      stream.ahead = rows > 1 ? kStreamAhead / kStepBytes : 0;
       for (int64_t p = p0; p < p1; ++p) {
         const T* w = wpp + p * panel_elems;
         for (int64_t s0 = 0; s0 < steps; s0 += block) {
           const int64_t s1 = std::min(steps, s0 + block);
-          int64_t r = r0;
+          // the next k block: this panel's, else the next panel's first (this thread's panels only)
+          const int64_t next = s1 < steps  ? std::min(steps, s1 + block) - s1
+                               : p + 1 < p1 ? std::min(steps, block)
+                                            : 0;
+          const char* start = reinterpret_cast<const char*>(w) + s1 * kStepBytes;
+          int64_t r = r0, pass = 0;
+          auto share = [&]() {  // pass `pass`'s share of the next block, spread over its s1 - s0 k steps
+            if (!blocked) return stream;
+            Prefetch pf;
+            const int64_t lo = pass * next / passes, hi = (pass + 1) * next / passes;
+            pf.next = start + lo * kStepBytes;
+            pf.end = start + hi * kStepBytes;
+            pf.every = std::max<int64_t>(1, (s1 - s0) / std::max<int64_t>(1, hi - lo));
+            ++pass;
+            return pf;
+          };
           for (; r + kBlockRows < r1; r += kBlockRows) {
-            kernel(std::integral_constant<int, kBlockRows>{}, xp + r * K, K, w, s0, s1,
-                   part.data() + (r - r0) * kPanel, prefetch, ahead);
+            kernel(std::integral_constant<int, kBlockRows>{}, std::true_type{}, xp + r * K, K, w, s0, s1,
+                   part.data() + (r - r0) * kPanel, share());
           }
+          const Prefetch pf = share();
           for_rows(last, [&](auto m) {
-            kernel(m, xp + r * K, K, w, s0, s1, part.data() + (r - r0) * kPanel, prefetch, ahead);
+            if (blocked) {
+              kernel(m, std::true_type{}, xp + r * K, K, w, s0, s1, part.data() + (r - r0) * kPanel, pf);
+            } else {
+              kernel(m, std::false_type{}, xp + r * K, K, w, s0, s1, part.data() + (r - r0) * kPanel, pf);
+            }
           });
         }
         finish_panel(part.data(), rows, bp, yp + r0 * N, p, N);
@@ -243,13 +297,17 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
   if (!bf16) {
     run_panels(x.data_ptr<float>(), wp.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr,
                y.data_ptr<float>(), M, N, K, K, k_block, row_block,
-               [](auto rows, auto&&... args) { panel_f32<decltype(rows)::value>(args...); });
+               [](auto rows, auto spread, auto&&... args) {
+                 panel_f32<decltype(rows)::value, decltype(spread)::value>(args...);
+               });
   } else {
     auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); };
     run_panels(static_cast<const uint16_t*>(bits(x)), static_cast<const uint16_t*>(bits(wp)),
                has_bias ? static_cast<const uint16_t*>(bits(*bias)) : nullptr, bits(y), M, N, K, (K + 1) / 2,
                (k_block + 1) / 2, row_block,
-               [](auto rows, auto&&... args) { panel_bf16<decltype(rows)::value>(args...); });
+               [](auto rows, auto spread, auto&&... args) {
+                 panel_bf16<decltype(rows)::value, decltype(spread)::value>(args...);
+               });
   }
 #endif
   return y;
