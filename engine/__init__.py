@@ -10,4 +10,4 @@
 
 from engine.compiled import install as _install_compiled
 
-_install_compiled()  # a compiled build of the core, if one matches these sources (engine/compiled.py)
+_install_compiled()  # a compiled build of the core, if one matches these sources (engine/compiled)

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-import engine  # noqa: F401  first, so a compiled build of sim.records is found (engine/compiled.py)
+import engine  # noqa: F401  first, so a compiled build of sim.records is found (engine/compiled)
 from engine.core.request import Request
 from engine.observe.workload import Workload, WorkloadConfig, generate, iter_requests, make_requests
 from sim.simulator import Simulation, SimResult, simulate

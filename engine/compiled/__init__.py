@@ -1,7 +1,7 @@
 """An optional compiled build of the torch-free hot path: the same source, compiled to C by mypyc.
 
 The simulator spends its time in the core's Python (state, lane, schedulers, plans), the cost
-model and the request log; compiled, the same code runs ~2.5x faster (README, "Simulator speed").
+model and the request log; compiled, the same code runs ~3x faster (README, "Simulator speed").
 ``python -m engine.compiled`` (``make compiled``; ``make setup`` tries it) builds the modules in
 ``MODULES`` into ``$MINISERVE_COMPILED_DIR`` (default ~/.cache/miniserve/compiled)/<key>, where
 the key hashes those modules' sources and the Python ABI. Importing ``engine`` puts a finder for

@@ -37,7 +37,7 @@ class BatchPlan:
     lane_size: int = 0
     lane_context_sum: int = 0
     lane_ids: LaneIds | None = field(default=None, repr=False)  # the lane part's (ids, contexts), while current
-    _lane_part: tuple[tuple[str, ...], tuple[int, ...]] | None = field(default=None, repr=False)
+    _lane_part: tuple[tuple[str, ...], tuple[int, ...]] | None = field(default=None, init=False, repr=False)
     # prefix caching (engine/core/block_pool.py): cached blocks to copy into a request's KV before
     # the call (its prefix hit), blocks the call completes to store after it, and their tokens
     kv_loads: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (request, block ids)
@@ -87,7 +87,7 @@ class BatchPlan:
     def _lane(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         part = self._lane_part
         if part is None:
-            lane_ids = self.lane_ids  # set whenever lane_size is (__post_init__)
+            lane_ids = self.lane_ids  # set whenever lane_size is (__init__)
             part = self._lane_part = lane_ids() if lane_ids is not None and self.lane_size else ((), ())
         return part
 
