@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $@
 
 setup: $(STAMP)  ## and the compiled core, if mypyc can build it here (else the simulator runs as plain Python)
-	@$(BIN)/python -m engine.compiled >/dev/null 2>&1 || echo "note: compiled core not built (python -m engine.compiled says why); the simulator runs as plain Python"
+	@$(BIN)/python -m engine.compiled --no-retry >/dev/null 2>&1 || echo "note: compiled core not built (python -m engine.compiled says why); the simulator runs as plain Python"
 
 compiled: $(STAMP)  ## the simulator's hot path compiled with mypyc (engine/compiled): fails loudly if it cannot
 	$(BIN)/python -m engine.compiled

@@ -1,11 +1,18 @@
 """The compiled core (engine/compiled): the same simulation as plain Python, and used only when it
 was built from the sources in the checkout."""
 
+import importlib.machinery
+import importlib.util
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
+
+import pytest
 
 import engine.compiled as compiled
 
@@ -49,12 +56,27 @@ def _run(env_extra: dict[str, str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _can_build() -> str | None:
+    """Why a build cannot be made on this machine (the compiled core is optional), or None."""
+    if (compiled.compiled_dir() / compiled.source_key() / "manifest.json").is_file():
+        return None
+    if importlib.util.find_spec("mypyc") is None:
+        return "mypyc is not installed (the dev extra brings it)"
+    compiler = shlex.split(sysconfig.get_config_var("CC") or "cc")[:1]
+    if not compiler or shutil.which(compiler[0]) is None:
+        return f"no C compiler ({compiler}) on this machine"
+    return None
+
+
 def test_the_compiled_core_runs_the_same_simulation_as_plain_python():
+    reason = _can_build()
+    if reason:
+        pytest.skip(f"the compiled core cannot be built here: {reason}")
     compiled.build()  # a no-op where `make compiled` has built these sources (CI does)
     fast = _run({"MINISERVE_COMPILED": "1"})
     plain = _run({"MINISERVE_COMPILED": "0"})
     assert fast.pop("active") and not plain.pop("active")
-    assert all(f.endswith(".so") for f in fast.pop("files").values())
+    assert all(f.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)) for f in fast.pop("files").values())
     assert all(f.endswith(".py") for f in plain.pop("files").values())
     assert fast == plain
     assert any(metrics[1] > 0 for metrics in fast.values())
@@ -86,3 +108,50 @@ def test_the_build_key_follows_every_compiled_source(tmp_path):
         path.write_bytes(original + b"\n")
         assert compiled.source_key(tmp_path) != key, module
         path.write_bytes(original)
+
+
+def _import_engine(cache: Path) -> tuple[str, str]:
+    done = subprocess.run([sys.executable, "-c", "import engine.compiled as c, engine.core.state as s; "
+                           "print(s.__file__); print(c.status())"], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "MINISERVE_COMPILED_DIR": str(cache), "MINISERVE_COMPILED": "1"})
+    assert done.returncode == 0, done.stderr
+    file, status = done.stdout.splitlines()
+    return file, status
+
+
+def test_a_damaged_build_falls_back_to_python_and_says_why(tmp_path):
+    build = tmp_path / compiled.source_key()
+    build.mkdir()
+    (build / "manifest.json").write_text("{not json")
+    file, status = _import_engine(tmp_path)
+    assert file.endswith("state.py") and status.startswith("not used (JSONDecodeError")
+    (build / "manifest.json").write_text(json.dumps({"modules": {"engine.core.state": "gone.so"}}))
+    file, status = _import_engine(tmp_path)
+    assert file.endswith("state.py") and "lacks" in status
+
+
+def test_a_failed_build_is_not_retried_unless_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINISERVE_COMPILED_DIR", str(tmp_path))
+    (tmp_path / f"{compiled.source_key()}.failed").write_text("RuntimeError: mypyc failed (1)\n")
+    calls = []
+    monkeypatch.setattr(compiled, "_build", lambda *a: calls.append(a))
+    with pytest.raises(RuntimeError, match="earlier build for these sources failed"):
+        compiled.build(retry_failed=False)
+    assert calls == []
+    monkeypatch.setattr(compiled, "_build", lambda *a: (_ for _ in ()).throw(RuntimeError("no compiler")))
+    with pytest.raises(RuntimeError, match="no compiler"):
+        compiled.build()  # retried, and the marker says the new reason
+    assert "no compiler" in (tmp_path / f"{compiled.source_key()}.failed").read_text()
+
+
+def test_only_the_builds_used_last_are_kept(tmp_path):
+    for i in range(12):
+        build = tmp_path / f"{i:016x}"
+        build.mkdir()
+        (build / "manifest.json").write_text("{}")
+        os.utime(build / "manifest.json", (1000 + i, 1000 + i))
+    current = tmp_path / f"{11:016x}"
+    compiled._prune(tmp_path, keep=current)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert len(left) == compiled.KEEP_BUILDS
+    assert left == [f"{i:016x}" for i in range(12 - compiled.KEEP_BUILDS, 12)]

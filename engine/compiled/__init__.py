@@ -9,9 +9,11 @@ that build first on ``sys.meta_path`` only when a build for the current key exis
 source falls back to the plain Python (one warning says so) until the next build: a compiled
 module never runs code other than what its ``.py`` says. ``MINISERVE_COMPILED=0`` turns it off.
 
-Compiled, every type annotation of these modules is checked at run time and their classes take
-no new attributes: the test suite runs under the build (CI builds it) and its simulator tests
-again without it.
+Compiled, every type annotation of these modules is checked at run time and their classes (but
+those derived from a Python class such as ``ABC``) take no attributes they do not declare: the test
+suite runs under the build (CI builds it) and its simulator tests again without it. A build that
+failed leaves ``<key>.failed`` beside the builds, so ``make setup`` does not retry it on every call
+(``make compiled`` does); the eight builds used last are kept, older ones removed.
 """
 
 from __future__ import annotations
@@ -37,12 +39,17 @@ MODULES = (
 )
 PACKAGES = ("engine", "calibration", "sim")  # copied whole into the build directory: mypy reads their imports
 
+KEEP_BUILDS = 8  # other checkouts and branches share the cache: the ones used last stay
+
 _active: dict[str, str] = {}  # module -> compiled file, once installed
 _status = "not installed"
 
 
 def compiled_dir() -> Path:
-    return Path(os.environ.get("MINISERVE_COMPILED_DIR", Path.home() / ".cache" / "miniserve" / "compiled"))
+    configured = os.environ.get("MINISERVE_COMPILED_DIR")
+    if configured:
+        return Path(configured).expanduser().resolve()
+    return Path.home() / ".cache" / "miniserve" / "compiled"
 
 
 def source_key(root: Path = ROOT) -> str:
@@ -76,10 +83,19 @@ def install() -> bool:
     global _status
     if _active:
         return True
-    root = compiled_dir()
     if os.environ.get("MINISERVE_COMPILED", "1") == "0":
         _status = "off (MINISERVE_COMPILED=0): plain Python"
         return False
+    try:  # nothing here may break `import engine`: the plain Python is always there
+        return _install()
+    except Exception as error:  # an unreadable cache, no home directory, a damaged manifest
+        _status = f"not used ({type(error).__name__}: {error}): plain Python"
+        return False
+
+
+def _install() -> bool:
+    global _status
+    root = compiled_dir()
     build = root / source_key()
     manifest = build / "manifest.json"
     if not manifest.is_file():
@@ -92,6 +108,13 @@ def install() -> bool:
         _status = f"not used: {', '.join(already)} imported before engine; plain Python"
         return False
     files = {module: str(build / rel) for module, rel in json.loads(manifest.read_text())["modules"].items()}
+    missing = [m for m in MODULES if m not in files or not os.path.isfile(files[m])]
+    if missing:
+        raise FileNotFoundError(f"the build in {build} lacks {', '.join(missing)}")
+    try:
+        os.utime(manifest)  # last used: what pruning keeps
+    except OSError:  # a read-only cache is fine
+        pass
     sys.meta_path.insert(0, _CompiledFinder(files))
     _active.update(files)
     _status = f"compiled ({build})"
@@ -115,18 +138,36 @@ def _is_compiled(module) -> bool:
         importlib.machinery.EXTENSION_SUFFIXES))
 
 
-def build(python: str = sys.executable) -> Path:
+def build(python: str = sys.executable, retry_failed: bool = True) -> Path:
     """Compile ``MODULES`` with mypyc (needs mypy: ``pip install -e '.[dev]'``) into the build
     directory for the current sources; returns it. Sources are copied to a scratch directory
-    first, so no extension module ever lands beside a ``.py`` in the checkout."""
+    first, so no extension module ever lands beside a ``.py`` in the checkout. A failure is
+    remembered in ``<key>.failed``; ``retry_failed=False`` raises it again without compiling."""
+    key = source_key()
+    root = compiled_dir()
+    out = root / key
+    failed = root / f"{key}.failed"
+    if (out / "manifest.json").is_file():
+        return out
+    if not retry_failed and failed.is_file():
+        raise RuntimeError(f"an earlier build for these sources failed ({failed}; `make compiled` retries):\n"
+                           + failed.read_text()[-2000:])
+    try:
+        _build(python, key, out)
+    except Exception as error:
+        _ensure(root)
+        failed.write_text(f"{type(error).__name__}: {error}\n")
+        raise
+    failed.unlink(missing_ok=True)
+    _prune(root, keep=out)
+    return out
+
+
+def _build(python: str, key: str, out: Path) -> None:
     import shutil
     import subprocess
     import tempfile
 
-    key = source_key()
-    out = compiled_dir() / key
-    if (out / "manifest.json").is_file():
-        return out
     with tempfile.TemporaryDirectory(prefix="miniserve-mypyc-") as tmp:
         scratch = Path(tmp)
         for package in PACKAGES:
@@ -139,25 +180,37 @@ def build(python: str = sys.executable) -> Path:
             raise RuntimeError(f"mypyc failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
         suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
         modules = {}
-        staging = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=_ensure(compiled_dir())))
-        for file in scratch.rglob("*"):
-            rel = file.relative_to(scratch)
-            if rel.parts[0] == "build" or not file.name.endswith(suffixes):
-                continue
-            name = ".".join(rel.parts[:-1] + (file.name.split(".", 1)[0],))
-            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(file, staging / rel)
-            modules[name] = str(rel)
-        missing = [m for m in MODULES if m not in modules]
-        if missing:
-            shutil.rmtree(staging)
-            raise RuntimeError(f"mypyc built no extension for {missing}")
-        (staging / "manifest.json").write_text(json.dumps({"key": key, "modules": modules}, indent=1))
+        staging = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=_ensure(out.parent)))
         try:
-            staging.rename(out)
-        except OSError:  # another process built it meanwhile
-            shutil.rmtree(staging)
-    return out
+            for file in scratch.rglob("*"):
+                rel = file.relative_to(scratch)
+                if rel.parts[0] == "build" or not file.name.endswith(suffixes):
+                    continue
+                name = ".".join(rel.parts[:-1] + (file.name.split(".", 1)[0],))
+                (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(file, staging / rel)
+                modules[name] = str(rel)
+            missing = [m for m in MODULES if m not in modules]
+            if missing:
+                raise RuntimeError(f"mypyc built no extension for {missing}")
+            (staging / "manifest.json").write_text(json.dumps({"key": key, "modules": modules}, indent=1))
+            staging.rename(out)  # atomic: a reader sees a whole build or none
+        except OSError:
+            if not (out / "manifest.json").is_file():
+                raise
+            # another process built the same sources meanwhile: theirs is as good
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _prune(root: Path, keep: Path) -> None:
+    """Remove all but the ``KEEP_BUILDS`` builds used last (``install`` touches a build's manifest)."""
+    import shutil
+
+    builds = sorted((m.parent for m in root.glob("*/manifest.json") if m.parent != keep),
+                    key=lambda b: (b / "manifest.json").stat().st_mtime, reverse=True)
+    for old in builds[KEEP_BUILDS - 1:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _ensure(path: Path) -> Path:
