@@ -39,8 +39,9 @@ class ItlSketch:
         self.n = 0
         self.mean = 0.0
         self.m2 = 0.0
-        self._gaps: list[float] = []
-        self._weights: list[int] = []
+        # buffered as typed arrays: binning reads them without a conversion per value
+        self._gaps = array("d")
+        self._weights = array("q")
 
     def add(self, gap_s: float, count: int = 1) -> None:
         """``count`` gaps of ``gap_s`` (a decode-lane step: every member's gap is the same)."""
@@ -51,24 +52,24 @@ class ItlSketch:
 
     def add_many(self, gaps: list[float], count: int) -> None:
         """``count`` gaps of each value in ``gaps`` (a run of decode steps, each step's members)."""
-        self._gaps += gaps
-        self._weights += [count] * len(gaps)
+        self._gaps.extend(gaps)
+        self._weights.extend(array("q", [count]) * len(gaps))
         if len(self._gaps) >= FLUSH_AT:
             self._flush()
 
     def add_gaps(self, gaps: list[float]) -> None:
         """Single gaps (a finished request's, those no uniform step counted)."""
-        self._gaps += gaps
-        self._weights += [1] * len(gaps)
+        self._gaps.extend(gaps)
+        self._weights.extend(array("q", [1]) * len(gaps))
         if len(self._gaps) >= FLUSH_AT:
             self._flush()
 
     def _flush(self) -> None:
         if not self._gaps:
             return
-        gaps = np.array(self._gaps, dtype=np.float64)
-        weights = np.array(self._weights, dtype=np.int64)
-        self._gaps, self._weights = [], []
+        gaps = np.frombuffer(self._gaps, dtype=np.float64)  # the buffers are replaced, never resized
+        weights = np.frombuffer(self._weights, dtype=np.int64)
+        self._gaps, self._weights = array("d"), array("q")
         keep = weights > 0
         gaps, weights = gaps[keep], weights[keep]
         n = int(weights.sum())
