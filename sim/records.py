@@ -26,7 +26,6 @@ BINS_PER_DECADE = 1000
 LOW_DECADE, HIGH_DECADE = -9, 6  # 1 ns … 11.6 days
 RELATIVE_ERROR = 10 ** (0.5 / BINS_PER_DECADE) - 1  # half a bin: 0.12 %
 FLUSH_AT = 1 << 16  # gaps buffered before they are binned
-ROWS_PER_FLUSH = 4096  # compact rows buffered as tuples, then moved into the typed arrays
 
 
 class ItlSketch:
@@ -135,7 +134,6 @@ class RequestLog:
         self.lookups = array("q")
         self.statuses: list[RequestStatus] = []
         self.itl = ItlSketch()
-        self._rows: list[tuple] = []  # one per request, COLUMNS order, not yet in the arrays
 
     def __len__(self) -> int:
         return len(self.records) if self.keep_token_times else len(self.ids)
@@ -148,32 +146,27 @@ class RequestLog:
         first_scheduled = request.first_scheduled_s
         self.ids.append(request.request_id)
         self.statuses.append(request.status)
-        self._rows.append((request.arrival_s, math.nan if first_scheduled is None else first_scheduled,
-                           times[0] if times else math.nan, times[-1] if times else math.nan,
-                           request.num_prompt_tokens, len(times), request.num_preemptions, request.num_cached_tokens,
-                           request.num_lookup_tokens))
-        if len(self._rows) >= ROWS_PER_FLUSH:
-            self._flush_rows()
+        self.arrival.append(request.arrival_s)
+        self.first_scheduled.append(math.nan if first_scheduled is None else first_scheduled)
+        self.first_token.append(times[0] if times else math.nan)
+        self.finish.append(times[-1] if times else math.nan)
+        self.prompt.append(request.num_prompt_tokens)
+        self.output.append(len(times))
+        self.preemptions.append(request.num_preemptions)
+        self.cached.append(request.num_cached_tokens)
+        self.lookups.append(request.num_lookup_tokens)
         self.itl.add_gaps(request.gaps_outside_lane_steps())
-
-    def _flush_rows(self) -> None:
-        if self._rows:
-            for name, values in zip(self.COLUMNS, zip(*self._rows)):
-                getattr(self, name).extend(values)
-            self._rows = []
 
     @property
     def total_output_tokens(self) -> int:
         if self.keep_token_times:
             return sum(r.output_tokens for r in self.records)
-        self._flush_rows()
         return int(np.frombuffer(self.output, dtype=np.int64).sum()) if self.output else 0
 
     def columns(self) -> dict[str, np.ndarray]:
         """Per-request arrays (either mode): engine.observe.metrics.request_columns."""
         if self.keep_token_times:
             return record_columns(self.records)
-        self._flush_rows()
         return request_columns(*(_numpy(getattr(self, name)) for name in self.COLUMNS))
 
     def summarize(self, duration_s: float | None = None, slo_ttft_s: float | None = None,

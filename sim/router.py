@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 
 class HasOutstanding(Protocol):
@@ -12,8 +12,8 @@ class HasOutstanding(Protocol):
 
 
 class RoundRobin:
-    name = "round_robin"
-    reads_load = False  # the pick does not depend on the replicas' state: it can be made early
+    name: ClassVar[str] = "round_robin"
+    reads_load: ClassVar[bool] = False  # the pick does not depend on the replicas' state: it can be made early
 
     def __init__(self) -> None:
         self._next = 0
@@ -27,8 +27,8 @@ class RoundRobin:
 class LeastOutstanding:
     """Fewest requests delivered and not yet finished; ties go to the lowest index."""
 
-    name = "least_outstanding"
-    reads_load = True
+    name: ClassVar[str] = "least_outstanding"
+    reads_load: ClassVar[bool] = True
 
     def pick(self, replicas: Sequence[HasOutstanding]) -> int:
         return min(range(len(replicas)), key=lambda i: replicas[i].outstanding)

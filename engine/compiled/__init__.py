@@ -35,7 +35,7 @@ MODULES = (
     "engine.core.arrivals", "engine.core.block_pool", "engine.core.engine_core",
     "engine.core.lane", "engine.core.plan", "engine.core.request", "engine.core.sampling", "engine.core.state",
     "engine.core.scheduler.base", "engine.core.scheduler.continuous", "engine.core.scheduler.static",
-    "calibration.cost_model", "sim.executors", "sim.records", "sim.simulator",
+    "calibration.cost_model", "sim.executors", "sim.records", "sim.router", "sim.simulator",
 )
 PACKAGES = ("engine", "calibration", "sim")  # copied whole into the build directory: mypy reads their imports
 
