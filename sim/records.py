@@ -29,8 +29,11 @@ FLUSH_AT = 1 << 16  # gaps buffered before they are binned
 
 
 class ItlSketch:
-    """Streaming inter-token latencies: exact count, mean and std; percentiles from log bins."""
+    """Streaming inter-token latencies: exact count, mean and std; percentiles from log bins.
 
+    Gaps are buffered as typed arrays and binned FLUSH_AT at a time: single weighted gaps, unit
+    gaps (a request's own), and runs of step end times whose consecutive differences are the gaps
+    (decode steps that ran at once: the differences are taken in numpy, not one by one)."""
 
     def __init__(self) -> None:
         nbins = (HIGH_DECADE - LOW_DECADE) * BINS_PER_DECADE
@@ -38,37 +41,56 @@ class ItlSketch:
         self.n = 0
         self.mean = 0.0
         self.m2 = 0.0
-        # buffered as typed arrays: binning reads them without a conversion per value
-        self._gaps = array("d")
+        self._gaps = array("d")  # weighted by _weights
         self._weights = array("q")
+        self._unit_gaps = array("d")  # weight 1
+        self._ends = array("d")  # runs of step end times, one after another
+        self._run_lengths: list[int] = []
+        self._run_counts: list[int] = []
+        self._buffered = 0
 
     def add(self, gap_s: float, count: int = 1) -> None:
         """``count`` gaps of ``gap_s`` (a decode-lane step: every member's gap is the same)."""
         self._gaps.append(gap_s)
         self._weights.append(count)
-        if len(self._gaps) >= FLUSH_AT:
+        self._buffered += 1
+        if self._buffered >= FLUSH_AT:
             self._flush()
 
-    def add_many(self, gaps: list[float], count: int) -> None:
-        """``count`` gaps of each value in ``gaps`` (a run of decode steps, each step's members)."""
-        self._gaps.extend(gaps)
-        self._weights.extend(array("q", [count]) * len(gaps))
-        if len(self._gaps) >= FLUSH_AT:
+    def add_steps(self, ends_s: list[float], count: int) -> None:
+        """``count`` gaps between each two consecutive ``ends_s`` (a run of decode steps, ``count`` members)."""
+        self._ends.extend(ends_s)
+        self._run_lengths.append(len(ends_s))
+        self._run_counts.append(count)
+        self._buffered += len(ends_s)
+        if self._buffered >= FLUSH_AT:
             self._flush()
 
     def add_gaps(self, gaps: list[float]) -> None:
         """Single gaps (a finished request's, those no uniform step counted)."""
-        self._gaps.extend(gaps)
-        self._weights.extend(array("q", [1]) * len(gaps))
-        if len(self._gaps) >= FLUSH_AT:
+        self._unit_gaps.extend(gaps)
+        self._buffered += len(gaps)
+        if self._buffered >= FLUSH_AT:
             self._flush()
 
+    def _buffered_gaps(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every buffered gap and its weight; the buffers start again empty."""
+        parts = [(np.frombuffer(self._gaps, dtype=np.float64), np.frombuffer(self._weights, dtype=np.int64)),
+                 (np.frombuffer(self._unit_gaps, dtype=np.float64), np.ones(len(self._unit_gaps), dtype=np.int64))]
+        if self._run_lengths:
+            ends = np.frombuffer(self._ends, dtype=np.float64)
+            lengths = np.asarray(self._run_lengths, dtype=np.int64)
+            weights = np.repeat(np.asarray(self._run_counts, dtype=np.int64), lengths)[1:]
+            weights[np.cumsum(lengths)[:-1] - 1] = 0  # the difference across two runs is no gap
+            parts.append((np.diff(ends), weights))
+        self._gaps, self._weights, self._unit_gaps, self._ends = array("d"), array("q"), array("d"), array("d")
+        self._run_lengths, self._run_counts, self._buffered = [], [], 0
+        return np.concatenate([g for g, _ in parts]), np.concatenate([w for _, w in parts])
+
     def _flush(self) -> None:
-        if not self._gaps:
+        if not self._buffered:
             return
-        gaps = np.frombuffer(self._gaps, dtype=np.float64)  # the buffers are replaced, never resized
-        weights = np.frombuffer(self._weights, dtype=np.int64)
-        self._gaps, self._weights = array("d"), array("q")
+        gaps, weights = self._buffered_gaps()
         keep = weights > 0
         gaps, weights = gaps[keep], weights[keep]
         n = int(weights.sum())

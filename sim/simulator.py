@@ -135,7 +135,6 @@ class Replica:
         kv, waiting, running, finished_list = state.kv, state.waiting, state.running, state.finished
         # compact records count the gaps of requests decoding together here, once per step
         itl = None if log.keep_token_times else log.itl
-        on_gaps = None if itl is None else itl.add_many
         # repeated decodes-only steps run at once (EngineCore.repeat_decodes) unless each step is kept
         repeat = steps is None and series is None and self.repeat
         check = sim.check
@@ -196,7 +195,7 @@ class Replica:
                 if on_finish is not None:
                     on_finish(len(finished), end)
             while unobserved and repeat and core.steady:  # the same step again and again: run them at once
-                n, run_end, run_ready, finished = core.repeat_decodes(ready, decode_costs, until_s, on_gaps)
+                n, run_end, run_ready, finished = core.repeat_decodes(ready, decode_costs, until_s, itl)
                 if not n:
                     break
                 end, ready = run_end, run_ready

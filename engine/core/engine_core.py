@@ -20,7 +20,7 @@ from engine.core.config import SchedulerConfig
 from engine.core.plan import BatchPlan, StepResult
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler, make_scheduler
-from engine.core.state import ServingState
+from engine.core.state import GapSink, ServingState
 
 
 class Executor(Protocol):
@@ -133,7 +133,7 @@ class EngineCore:
         return self._steady
 
     def repeat_decodes(self, start_s: float, decode_costs: Callable[[int], tuple[float, float, float, float] | None],
-                       until_s: float, on_gaps: Callable[[list[float], int], None] | None = None
+                       until_s: float, gaps: GapSink | None = None
                        ) -> tuple[int, float, float, list[Request]]:
         """While ``steady``: the repeated steps from ``start_s`` run at once, without a plan each
         — a simulator's shortcut when a decodes-only step of ``n`` requests costs
@@ -150,7 +150,7 @@ class EngineCore:
         costs = decode_costs(state.num_decoding)
         if costs is None:
             return 0, start_s, start_s, []
-        steps, end, ready, finished = state.repeat_decodes(start_s, *costs, arrival_s, until_s, on_gaps)
+        steps, end, ready, finished = state.repeat_decodes(start_s, *costs, arrival_s, until_s, gaps)
         if finished:
             self._steady = not state.waiting  # as land() after a step in which requests finish
         return steps, end, ready, finished

@@ -5,13 +5,24 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Protocol, cast
 
 from engine.core.block_pool import KVBlockPool
 from engine.core.config import SchedulerConfig
 from engine.core.lane import BY_ADMISSION, DecodeLane
 from engine.core.plan import BatchPlan, LaneIds
 from engine.core.request import Request, RequestStatus
+
+
+class GapSink(Protocol):
+    """Hears the inter-token gaps of decode steps that ran without a plan each (a simulator's
+    compact request log counts them once per step instead of once per request)."""
+
+    def add(self, gap_s: float, count: int = 1) -> None:
+        """``count`` gaps of ``gap_s``."""
+
+    def add_steps(self, ends_s: list[float], count: int) -> None:
+        """``count`` gaps between each two consecutive end times (steps that ran one after another)."""
 
 
 class ServingState:
@@ -131,14 +142,14 @@ class ServingState:
         return len(lane.members), lane.context_sum(), lane.part_reader()
 
     def repeat_decodes(self, start_s: float, before_s: float, step_s: float, per_context_s: float, overhead_s: float,
-                       arrival_s: float, until_s: float, on_gaps: Callable[[list[float], int], None] | None
+                       arrival_s: float, until_s: float, gaps: GapSink | None
                        ) -> tuple[int, float, float, list[Request]]:
         """Run, at once, the decodes-together steps that would follow one another unchanged (a
         simulator's shortcut, see EngineCore.repeat_decodes): each takes ``before_s``, then a call
         of ``step_s + per_context_s × Σ context``, then ``overhead_s``. A step runs if it starts before ``arrival_s``, is
         over before ``until_s`` and gets its blocks; the run ends with the first step in which
-        requests finish. Returns (steps, last end, last ready, finished); ``on_gaps(gaps, count)``
-        hears each step's uniform gaps (``count`` requests each). The same arithmetic, in the same
+        requests finish. Returns (steps, last end, last ready, finished); ``gaps`` hears each
+        step's uniform gaps (``count`` requests each). The same arithmetic, in the same
         order, as planning, executing and applying each step."""
         lane, kv = self.lane, self.kv
         n = len(lane.members)
@@ -154,11 +165,11 @@ class ServingState:
         for request in finished:
             self.running.remove(request)
             self._finish(request, cast(RequestStatus, request.stop_reason()), end)  # reached max_tokens
-        if on_gaps is not None:
+        if gaps is not None:
             if count:
-                on_gaps([gap], count)
+                gaps.add(gap, count)
             if len(ends) > 1:
-                on_gaps([b - a for a, b in zip(ends, ends[1:])], n)
+                gaps.add_steps(ends, n)
         return len(ends), end, ready, finished
 
     def decode_one_by_one(self) -> None:
