@@ -18,6 +18,10 @@ __all__ = ["Engine", "RunResult", "StepRecord"]
 
 @dataclass
 class RunResult:
+    """A real run. ``records`` are in the order the requests were submitted, which is the order
+    the engine admits requests that arrive at the same instant: a replay built from them (a
+    simulation of the run's arrivals and lengths) keeps that order; finish order would not."""
+
     records: list[RequestRecord]
     steps: list[StepRecord]
     duration_s: float
@@ -121,6 +125,8 @@ class Engine:
         finally:
             self.runner.clock = time.perf_counter
         core.release(self.runner)  # the last step's finished requests
+        submitted = {r.request_id: i for i, r in enumerate(requests)}
+        finished.sort(key=lambda r: submitted[r.request_id])
         return RunResult([RequestRecord.from_request(r) for r in finished], steps, clock())
 
     def warmup(self, prompt_len: int = 16, max_tokens: int = 2) -> None:

@@ -71,6 +71,24 @@ def test_replaying_measured_steps_reproduces_plans_and_token_times(real_run, nam
         assert sum(s.start_s < last_arrival for s in real.steps) >= 2
 
 
+@pytest.mark.parametrize("name", ["static", "continuous"])
+def test_a_replay_built_from_a_burst_runs_records_serves_the_same_requests_together(real_run, name):
+    """validate, transfer and the side-by-side script simulate a real run from its records: when
+    requests arrive at the same instant the engine admits them in submission order, so the
+    records must keep it (in finish order the short requests would be admitted first)."""
+    from engine.core.request import Request
+
+    real = real_run(name, BURST)
+    assert [r.request_id for r in real.records] == [f"req-{i}" for i in range(BURST.num_requests)]
+    replay = [Request(r.request_id, range(r.prompt_tokens), r.output_tokens, arrival_s=r.arrival_s)
+              for r in real.records]
+    sim = simulate(replay, CONFIGS[name], lambda: ReplayExecutor(real.steps), keep_steps=True)
+    assert [s.plan for s in sim.steps] == [s.plan for s in real.steps]
+    sim_by_id = {r.request_id: r for r in sim.records}
+    for ref in real.records:
+        assert sim_by_id[ref.request_id].token_times_s == pytest.approx(ref.token_times_s, abs=1e-9)
+
+
 @pytest.mark.parametrize("name", ["serial", "static", "continuous", "continuous_preempting"])
 def test_cost_model_gives_the_real_plans_for_a_burst(real_run, name):
     workload = replace(BURST, prompt=LengthDist(kind="uniform", low=4, high=40), seed=1)
