@@ -32,6 +32,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -197,7 +198,25 @@ void attend(const T* q, const T* ks, const T* vs, const int64_t* slots, const in
   constexpr int64_t D = NC * 16;
   constexpr int GB = kAccRegisters / NC > 8 ? 8 : kAccRegisters / NC;
   const int G = static_cast<int>(heads / kv_heads);
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t t0, int64_t t1) {
+  // Each thread takes a contiguous run of tasks holding an equal share of the keys read (a task
+  // costs its row's length, plus a few keys' worth for its setup): an equal count of tasks would
+  // give the thread with a prefill chunk's later rows most of the work, its rows seeing up to the
+  // chunk's length where the first thread's see from 1 key.
+  const int64_t tasks = rows * kv_heads, threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
+  std::vector<int64_t> bounds(threads + 1, tasks);
+  {
+    constexpr int64_t kTaskSetup = 8;  // in keys
+    int64_t total = 0;
+    for (int64_t r = 0; r < rows; ++r) total += (lens[r] + kTaskSetup) * kv_heads;
+    int64_t done = 0, next = 1;
+    bounds[0] = 0;
+    for (int64_t t = 0; t < tasks && next < threads; ++t) {
+      done += lens[t / kv_heads] + kTaskSetup;
+      while (next < threads && done * threads >= total * next) bounds[next++] = t + 1;
+    }
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t i0, int64_t i1) {
+    const int64_t t0 = bounds[i0], t1 = bounds[i1];
     std::vector<float> qf(G * D), scores, inv_sum(G);
     auto kv_of = [&](int64_t t) { return (slots[t / kv_heads] * kv_heads + t % kv_heads) * max_len * D; };
     auto chunk_row = [&](int64_t r) {  // a row of a prefill chunk: a neighbouring row shares its slot
