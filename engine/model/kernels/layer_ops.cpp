@@ -187,8 +187,8 @@ void check_rows(const char* op, const at::Tensor& t, const char* name, int64_t c
               " must be a contiguous (rows, ", cols < 0 ? t.size(-1) : cols, ") tensor, got ", t.sizes());
 }
 
-int64_t grain(int64_t row_work) {  // rows per thread task: ~64k elements, at least one row
-  return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, row_work));
+int64_t grain(int64_t row_work) {  // rows per thread task: ~16k elements, at least one row
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_work));
 }
 
 at::Tensor add_rms_norm(const at::Tensor& h, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
