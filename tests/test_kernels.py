@@ -258,6 +258,37 @@ def test_decode_attention_equals_exact_attention_over_each_requests_own_keys(dty
         assert ((out[r].double() - ref).abs() <= tol).all()
 
 
+@needs("decode_attention", torch.bfloat16)
+@pytest.mark.skipif("avx512_bf16" not in FEATURES, reason="the bf16 dot-product scores need AVX512-BF16")
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+def test_bf16_attention_with_and_without_bf16_dot_products(d):
+    # where the CPU has AVX512-BF16 the bf16 scores are dot products of bf16 pairs (D a multiple of
+    # 32), else widened FMAs (as under MINISERVE_CPU_FEATURES=avx512): both are exact attention up
+    # to rounding, on a prefill chunk's rows (one slot, lengths 1..n) and on decodes beside it
+    g = torch.Generator().manual_seed(d)
+    heads, kv_heads, max_len, chunk = 14, 2, 80, 37
+    k_store = torch.randn(3, kv_heads, max_len, d, generator=g).bfloat16()
+    v_store = torch.randn(3, kv_heads, max_len, d, generator=g).bfloat16()
+    slots = torch.tensor([0] * chunk + [1, 2])
+    lens = torch.tensor(list(range(1, chunk + 1)) + [max_len, 17])
+    q = torch.randn(len(slots), heads, d, generator=g).bfloat16()
+    op = kernels.decode_attention(torch.bfloat16, d)
+    outs = {}
+    try:
+        for dot_products in (True, False):
+            torch.ops.miniserve.allow_cpu_features(True, dot_products)
+            outs[dot_products] = op(q, k_store, v_store, slots, lens, d ** -0.5)
+    finally:
+        torch.ops.miniserve.allow_cpu_features("avx512" in FEATURES, "avx512_bf16" in FEATURES)
+    group = heads // kv_heads
+    for r, (s, n) in enumerate(zip(slots.tolist(), lens.tolist())):
+        qr = q[r].double().view(kv_heads, group, d)
+        p = torch.softmax(qr @ k_store[s, :, :n].double().transpose(1, 2) * d ** -0.5, dim=-1)
+        ref = (p @ v_store[s, :, :n].double()).reshape(heads, d)
+        for out in outs.values():
+            assert ((out[r].double() - ref).abs() <= 1e-5 + 2 ** -8 * ref.abs()).all()
+
+
 def _attention_case(rows=2, heads=4, kv_heads=2, d=16, num_slots=8, max_len=10, **override):
     """Arguments of the raw op: q, keys, values, slots, lens, scale; any of them overridden."""
     store = (num_slots, kv_heads, max_len, d)

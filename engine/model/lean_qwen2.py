@@ -83,6 +83,7 @@ class LeanQwen2:
         self.choices = dispatch.linear_choices(model.dtype)
         self._by_rows = [dispatch.choice_for_rows(self.choices, r) for r in range(dispatch.ROW_CLASSES[-1] + 1)]
         self.gemv = kernels.gemv(model.dtype) if "gemv" in self.choices else None
+        self._projector = self._gemv_projector() if self.gemv is not None else self._project
         self.ops = kernels.layer_ops(model.dtype) or kernels.TORCH_LAYER_OPS
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # (source linears, bias) per projection, in forward order; q/k/v and gate/up as one weight each
@@ -165,6 +166,21 @@ class LeanQwen2:
             return dispatch.onednn_linear(x, p.packed, p.bias)
         return F.linear(x, p.plain, p.bias)
 
+    def _gemv_projector(self):
+        """Where the gemv runs every row count: x times a projection straight through the op, the
+        same call as ``_project`` makes without its per-call choice (a step makes ~100 of them)."""
+        if set(self.choices) != {"gemv"}:
+            return self._project
+        op = torch.ops.miniserve.gemv.default
+
+        def project(x: torch.Tensor, p: Projection) -> torch.Tensor:
+            if x.shape[0] == 0:
+                return x.new_empty(0, p.n)
+            pn = p.panels
+            return op(x.contiguous(), pn.data, p.bias, pn.n, pn.k, p.row_block, p.k_block)
+
+        return project
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, cache,
                  rows: torch.Tensor) -> torch.Tensor:
         h = (F.embedding(input_ids[0], self.embed) if self.embed is not None
@@ -173,14 +189,20 @@ class LeanQwen2:
         cos, sin = cos[0], sin[0]  # (T, D)
         t = h.shape[0]
         d = self.head_dim
-        project, ops = self._project, self.ops
+        project, ops = self._projector, self.ops
+        # the attention kernel, where the step attends through it: called straight, as
+        # ragged_attention would call it (every packed token a row of its slot)
+        kernel, slots, positions, lens = batch.kernel, batch.write_slots, batch.write_positions, batch.kernel_lens
         delta = None  # what the previous layer's MLP adds to h
         for i, scaling, nq, nkv, ln1, eps1, qkv, qk_norm, o, ln2, eps2, gu, inter, down in self.layers:
             k_store, v_store = cache.keys[i], cache.values[i]
             x = ops.add_rms_norm(h, delta, ln1, eps1)
             q = ops.rotary_kv(project(x, qkv), cos, sin, nq // d, nkv // d, k_store, v_store,
-                              batch.write_slots, batch.write_positions, *qk_norm)  # (T, H, D)
-            attn, _ = ragged_attention(None, q.transpose(0, 1)[None], k_store, v_store, batch, scaling=scaling)
+                              slots, positions, *qk_norm)  # (T, H, D)
+            if kernel is not None:
+                attn = kernel(q.contiguous(), k_store, v_store, slots, lens, scaling if scaling is not None else d ** -0.5)
+            else:
+                attn, _ = ragged_attention(None, q.transpose(0, 1)[None], k_store, v_store, batch, scaling=scaling)
             x = ops.add_rms_norm(h, project(attn.reshape(t, -1), o), ln2, eps2)
             delta = project(ops.silu_mul(project(x, gu), inter), down)
         # row-wise from here on: the sampled rows alone give the same logits

@@ -54,7 +54,8 @@ log = logging.getLogger("miniserve.kernels")
 
 
 # the CPU features each kernel needs, by op and dtype (bf16 keys, values and activations are
-# widened by hand, so only gemv's bf16 dot products need AVX512-BF16)
+# widened by hand, so only gemv's bf16 dot products need AVX512-BF16; the attention's bf16 scores
+# use them where the CPU has them, and widen the keys where it does not)
 NEEDS: dict[str, dict[torch.dtype, frozenset[str]]] = {
     "gemv": {torch.float32: frozenset({"avx512"}), torch.bfloat16: frozenset({"avx512", "avx512_bf16"})},
     "decode_attention": {torch.float32: frozenset({"avx512"}), torch.bfloat16: frozenset({"avx512"})},

@@ -37,30 +37,50 @@ float scalar(const T* p, int64_t i) {
   }
 }
 
+// per lane of one chain: the largest value seen and the first index holding it (later equal values
+// lose); NaN lanes noted
+struct Chain {
+  __m512 best;
+  __m512i best_at;
+};
+
+template <typename T>
+MINISERVE_TARGET inline void step(Chain& c, const T* x, int64_t i, __mmask16 m, __mmask16& nan) {
+  const __m512 v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m, load16(x + i, m));
+  nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  const __mmask16 gt = _mm512_cmp_ps_mask(v, c.best, _CMP_GT_OQ);
+  c.best = _mm512_mask_mov_ps(c.best, gt, v);
+  c.best_at = _mm512_mask_mov_epi32(c.best_at, gt,
+                                    _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(i)),
+                                                     _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)));
+}
+
 template <typename T>
 MINISERVE_TARGET int64_t argmax_row(const T* x, int64_t n) {
-  // per lane: the largest value seen and the first index holding it (later equal values lose)
-  __m512 best = _mm512_set1_ps(-INFINITY);
-  __m512i best_at = _mm512_set1_epi32(0), at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  // four chains over interleaved vectors: one chain's compare-and-keep waits on its last, so a
+  // single chain ran at the latency of that pair, not at the rate the values load
+  constexpr int kChains = 4;
+  Chain c[kChains];
+  for (auto& ch : c) ch = {_mm512_set1_ps(-INFINITY), _mm512_set1_epi32(0)};
   __mmask16 nan = 0;
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lanes(n - i);
-    const __m512 v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m, load16(x + i, m));
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-    best = _mm512_mask_mov_ps(best, gt, v);
-    best_at = _mm512_mask_mov_epi32(best_at, gt, at);
-    at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
+  int64_t i = 0;
+  for (; i + 16 * kChains <= n; i += 16 * kChains) {
+    for (int j = 0; j < kChains; ++j) step(c[j], x, i + 16 * j, __mmask16(0xFFFF), nan);
   }
+  for (int j = 0; i < n; i += 16, ++j) step(c[j], x, i, lanes(n - i), nan);
   if (nan) {
-    for (int64_t i = 0; i < n; ++i) {
-      if (std::isnan(scalar(x, i))) return i;
+    for (int64_t k = 0; k < n; ++k) {
+      if (std::isnan(scalar(x, k))) return k;
     }
   }
-  const float top = _mm512_reduce_max_ps(best);
-  const __mmask16 tops = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-  // among the lanes holding the largest value, the smallest index; all -inf: index 0
-  const __m512i idx = _mm512_mask_mov_epi32(_mm512_set1_epi32(INT32_MAX), tops, best_at);
+  __m512 best = c[0].best;
+  for (int j = 1; j < kChains; ++j) best = _mm512_max_ps(best, c[j].best);
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+  // among the lanes of every chain holding the largest value, the smallest index; all -inf: index 0
+  __m512i idx = _mm512_set1_epi32(INT32_MAX);
+  for (int j = 0; j < kChains; ++j)
+    idx = _mm512_min_epi32(idx, _mm512_mask_mov_epi32(_mm512_set1_epi32(INT32_MAX),
+                                                      _mm512_cmp_ps_mask(c[j].best, top, _CMP_EQ_OQ), c[j].best_at));
   const int32_t first = _mm512_reduce_min_epi32(idx);
   return first == INT32_MAX ? 0 : first;
 }

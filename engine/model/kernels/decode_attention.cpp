@@ -13,7 +13,10 @@
 // outputs held in registers. Only the row's own keys 0..len-1 are read, so nothing is masked and
 // nothing past a row's length is touched; a chunk's rows share their slot's keys, which stay in
 // cache from one row to the next. Arithmetic is in fp32 whatever the cache dtype (bf16 keys and
-// values are widened on load; the output is rounded once), as SDPA's CPU kernel accumulates.
+// values are widened on load; the output is rounded once), as SDPA's CPU kernel accumulates;
+// where the CPU has AVX512-BF16 (and the mask allows it), bf16 scores are instead bf16 dot
+// products over pairs of dimensions, each product exact in fp32 as before, summed in fp32 in
+// another order (scores_of_dp: a block of 16 keys transposed once, no sums across lanes).
 //
 // Shapes: q (rows, heads, D); k_store, v_store (slots, kv_heads, max_len, D) as SlotKVCache keeps
 // them; slots, lens (rows,) int64: the slot of each row and how many keys it sees. D a multiple of
@@ -32,8 +35,10 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -102,6 +107,95 @@ MINISERVE_TARGET void scores_of(const float* q, const T* k, const T* v, int64_t 
       __m512 acc = _mm512_mul_ps(kj[0], _mm512_loadu_ps(q + g * NC * 16));
       for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(kj[c], _mm512_loadu_ps(q + g * NC * 16 + c * 16), acc);
       scores[g * L + j] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+#define MINISERVE_TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")))
+
+// t[p] (16 dwords) = dword p of rows 0..15 of a 16 × 16 block of dwords (rows 16 dwords apart)
+MINISERVE_TARGET inline void transpose16(const __m512i* r, __m512i* t) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 16; i += 2) {  // within 128-bit lanes: dwords of rows i, i+1 interleaved
+    a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // quads of rows i..i+3 per dword of a 128-bit lane
+    b[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
+    b[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
+    b[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
+    b[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
+  }
+  // b[4m + c] lane l (128-bit) holds dword (4l + c) of rows 4m..4m+3; gather lanes across m
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88), x1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xDD);
+    const __m512i y0 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88), y1 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xDD);
+    t[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);       // lane 0: dword c
+    t[8 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);   // lane 2: dword 8 + c
+    t[4 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);   // lane 1: dword 4 + c
+    t[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);  // lane 3: dword 12 + c
+  }
+}
+
+// H heads' scores against one block of 16 keys from their transposed k pairs kt (pairs × 16):
+// s[g][j] = scale · Σ_p q[g] pair p · key j pair p, two partial sums per head (even and odd pairs)
+template <int NC, int H>
+MINISERVE_TARGET_BF16 void block_scores_dp(const uint16_t* q, const __m512i* kt, float scale, int64_t L, int g0,
+                                           float* scores, int64_t j0, __mmask16 keep) {
+  constexpr int kPairs = NC * 8;
+  __m512 a0[H], a1[H];
+  for (int h = 0; h < H; ++h) a0[h] = a1[h] = _mm512_setzero_ps();
+  for (int p = 0; p < kPairs; p += 2) {
+    for (int h = 0; h < H; ++h) {
+      uint32_t q0, q1;
+      std::memcpy(&q0, q + (g0 + h) * NC * 16 + 2 * p, 4);
+      std::memcpy(&q1, q + (g0 + h) * NC * 16 + 2 * p + 2, 4);
+      a0[h] = _mm512_dpbf16_ps(a0[h], (__m512bh)kt[p], (__m512bh)_mm512_set1_epi32(static_cast<int>(q0)));
+      a1[h] = _mm512_dpbf16_ps(a1[h], (__m512bh)kt[p + 1], (__m512bh)_mm512_set1_epi32(static_cast<int>(q1)));
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int h = 0; h < H; ++h)
+    _mm512_mask_storeu_ps(scores + (g0 + h) * L + j0, keep, _mm512_mul_ps(_mm512_add_ps(a0[h], a1[h]), sc));
+}
+
+// scores_of for bf16 on CPUs with AVX512-BF16 (D a multiple of 32): q · k by bf16 dot products
+// over pairs of dimensions (each product exact in fp32, as the widened FMAs; only the order of the
+// sum differs), then times the scale. A block of 16 keys is transposed once (16 keys side by side
+// per pair of dimensions), so each head's 16 scores build up in one vector with no sums across
+// lanes, and the keys are not widened.
+template <int NC>
+MINISERVE_TARGET_BF16 void scores_of_dp(const uint16_t* q, float scale, const uint16_t* k, const uint16_t* v,
+                                        int64_t L, int G, float* scores) {
+  static_assert(NC % 2 == 0, "pairs of dimensions: D a multiple of 32");
+  constexpr int kPairs = NC * 8, kRowVecs = NC / 2;  // dwords (k pairs) per key, 512-bit vectors per key
+  constexpr int64_t kLines = 16 * NC * 16 * 2 / 64;
+  constexpr int kHeads = 8;  // heads per pass: 16 accumulators
+  for (int64_t j0 = 0; j0 < L; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, L - j0);
+    if (v && n == 16) {
+      for (int64_t i = 0; i < kLines; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(v + j0 * NC * 16) + 64 * i, _MM_HINT_T1);
+    }
+    __m512i kt[kPairs];
+    for (int c = 0; c < kRowVecs; ++c) {  // dwords 16c..16c+15 of the 16 keys
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j)
+        r[j] = j < n ? _mm512_loadu_si512(k + (j0 + j) * NC * 16 + c * 32) : _mm512_setzero_si512();
+      transpose16(r, kt + 16 * c);
+    }
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+    int g = 0;
+    for (; g + kHeads <= G; g += kHeads) block_scores_dp<NC, kHeads>(q, kt, scale, L, g, scores, j0, keep);
+    switch (G - g) {
+      case 0: break;
+      case 1: block_scores_dp<NC, 1>(q, kt, scale, L, g, scores, j0, keep); break;
+      case 2: block_scores_dp<NC, 2>(q, kt, scale, L, g, scores, j0, keep); break;
+      case 3: block_scores_dp<NC, 3>(q, kt, scale, L, g, scores, j0, keep); break;
+      case 4: block_scores_dp<NC, 4>(q, kt, scale, L, g, scores, j0, keep); break;
+      case 5: block_scores_dp<NC, 5>(q, kt, scale, L, g, scores, j0, keep); break;
+      case 6: block_scores_dp<NC, 6>(q, kt, scale, L, g, scores, j0, keep); break;
+      default: block_scores_dp<NC, 7>(q, kt, scale, L, g, scores, j0, keep); break;
     }
   }
 }
@@ -182,11 +276,16 @@ MINISERVE_TARGET void values_of(const float* p, const T* v, int64_t L, int G, co
 // not in cache from the row before (not a prefill chunk's row), so they are asked for early
 template <int NC, int GB, typename T>
 MINISERVE_TARGET void attend_task(const T* qg, const T* k, const T* v, int64_t L, int G, float scale, T* out,
-                                  bool fresh, const T* next_k, int64_t next_len, std::vector<float>& qf,
+                                  bool fresh, const T* next_k, int64_t next_len, bool dp, std::vector<float>& qf,
                                   std::vector<float>& scores, std::vector<float>& inv_sum) {
-  for (int64_t i = 0; i < G * NC * 16; i += 16) store16(qf.data() + i, _mm512_mul_ps(load16(qg + i), _mm512_set1_ps(scale)));
   scores.resize(G * L);
-  scores_of<NC>(qf.data(), k, fresh ? v : nullptr, L, G, scores.data());
+  if constexpr (std::is_same_v<T, uint16_t> && NC % 2 == 0) {
+    if (dp) scores_of_dp<NC>(qg, scale, k, fresh ? v : nullptr, L, G, scores.data());
+  }
+  if (!dp) {
+    for (int64_t i = 0; i < G * NC * 16; i += 16) store16(qf.data() + i, _mm512_mul_ps(load16(qg + i), _mm512_set1_ps(scale)));
+    scores_of<NC>(qf.data(), k, fresh ? v : nullptr, L, G, scores.data());
+  }
   softmax_rows(scores.data(), L, G, inv_sum.data());
   values_of<NC, GB>(scores.data(), v, L, G, inv_sum.data(), out, next_k, next_len);
 }
@@ -197,7 +296,27 @@ void attend(const T* q, const T* ks, const T* vs, const int64_t* slots, const in
   constexpr int64_t D = NC * 16;
   constexpr int GB = kAccRegisters / NC > 8 ? 8 : kAccRegisters / NC;
   const int G = static_cast<int>(heads / kv_heads);
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t t0, int64_t t1) {
+  // bf16 scores by AVX512-BF16 dot products where the CPU has them (and the mask allows them)
+  const bool dp = std::is_same_v<T, uint16_t> && NC % 2 == 0 && cpu_has_avx512_bf16();
+  // Each thread takes a contiguous run of tasks holding an equal share of the keys read (a task
+  // costs its row's length, plus a few keys' worth for its setup): an equal count of tasks would
+  // give the thread with a prefill chunk's later rows most of the work, its rows seeing up to the
+  // chunk's length where the first thread's see from 1 key.
+  const int64_t tasks = rows * kv_heads, threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
+  std::vector<int64_t> bounds(threads + 1, tasks);
+  {
+    constexpr int64_t kTaskSetup = 8;  // in keys
+    int64_t total = 0;
+    for (int64_t r = 0; r < rows; ++r) total += (lens[r] + kTaskSetup) * kv_heads;
+    int64_t done = 0, next = 1;
+    bounds[0] = 0;
+    for (int64_t t = 0; t < tasks && next < threads; ++t) {
+      done += lens[t / kv_heads] + kTaskSetup;
+      while (next < threads && done * threads >= total * next) bounds[next++] = t + 1;
+    }
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t i0, int64_t i1) {
+    const int64_t t0 = bounds[i0], t1 = bounds[i1];
     std::vector<float> qf(G * D), scores, inv_sum(G);
     auto kv_of = [&](int64_t t) { return (slots[t / kv_heads] * kv_heads + t % kv_heads) * max_len * D; };
     auto chunk_row = [&](int64_t r) {  // a row of a prefill chunk: a neighbouring row shares its slot
@@ -214,8 +333,8 @@ void attend(const T* q, const T* ks, const T* vs, const int64_t* slots, const in
         const int64_t rn = (t + 1) / kv_heads;
         if (slots[rn] != slots[r] || (rn == r && !chunk_row(r))) next_k = ks + kv_of(t + 1), next_len = lens[rn];
       }
-      attend_task<NC, GB>(q + qo, ks + kv, vs + kv, lens[r], G, scale, out + qo, !chunk_row(r), next_k, next_len, qf,
-                          scores, inv_sum);
+      attend_task<NC, GB>(q + qo, ks + kv, vs + kv, lens[r], G, scale, out + qo, !chunk_row(r), next_k, next_len, dp,
+                          qf, scores, inv_sum);
     }
   });
 }
