@@ -70,7 +70,7 @@ MODEL_TYPES = ("qwen2", "qwen3")
 class LeanQwen2:
     """Callable (input_ids (1, T), positions (T,), ragged batch, KV cache, sample rows) -> logits
     (rows, vocab) computed as Qwen2ForCausalLM (or Qwen3ForCausalLM) would with
-    ``logits_to_keep=rows``."""
+    ``logits_to_keep=rows``; rows None: every row (a decodes-only step, no gather)."""
 
     def __init__(self, model) -> None:
         inner = model.model
@@ -182,7 +182,7 @@ class LeanQwen2:
         return project
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, cache,
-                 rows: torch.Tensor) -> torch.Tensor:
+                 rows: torch.Tensor | None) -> torch.Tensor:
         h = (F.embedding(input_ids[0], self.embed) if self.embed is not None
              else kernels.panel_rows(self.embed_panels, input_ids[0]))  # (T, hidden)
         cos, sin = self.rotary(h, positions[None])
@@ -206,4 +206,6 @@ class LeanQwen2:
             x = ops.add_rms_norm(h, project(attn.reshape(t, -1), o), ln2, eps2)
             delta = project(ops.silu_mul(project(x, gu), inter), down)
         # row-wise from here on: the sampled rows alone give the same logits
-        return project(ops.add_rms_norm(h[rows], delta[rows], self.norm_w, self.norm_eps), self.lm)
+        if rows is not None:
+            h, delta = h[rows], delta[rows]
+        return project(ops.add_rms_norm(h, delta, self.norm_w, self.norm_eps), self.lm)

@@ -151,7 +151,9 @@ class ModelRunner:
                                   device=self.device if self.generic else None)
         self.cache.batch = batch
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        # every row sampled (a decodes-only step): no gather of the last hidden states
+        rows = (None if len(sample_rows) == len(token_ids)
+                else torch.tensor(sample_rows, dtype=torch.long, device=self.device))
         with torch.profiler.record_function(plan.label):
             self.timer.start()
             if plan.kv_loads:
@@ -165,7 +167,7 @@ class ModelRunner:
                     attention_mask={"full_attention": batch, "sliding_attention": batch},
                     cache=self.cache,
                     use_cache=False,
-                    logits_to_keep=rows,
+                    logits_to_keep=0 if rows is None else rows,  # 0: every row
                 ).logits[0]
             if plan.kv_saves:
                 self._copy_prefixes(plan, saves=True)
