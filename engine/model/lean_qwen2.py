@@ -83,7 +83,7 @@ class LeanQwen2:
         self.choices = dispatch.linear_choices(model.dtype)
         self._by_rows = [dispatch.choice_for_rows(self.choices, r) for r in range(dispatch.ROW_CLASSES[-1] + 1)]
         self.gemv = kernels.gemv(model.dtype) if "gemv" in self.choices else None
-        self._projector = self._gemv_projector() if self.gemv is not None else self._project
+        self._projector = self._gemv_projector()
         self.ops = kernels.layer_ops(model.dtype) or kernels.TORCH_LAYER_OPS
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # (source linears, bias) per projection, in forward order; q/k/v and gate/up as one weight each
@@ -167,17 +167,16 @@ class LeanQwen2:
         return F.linear(x, p.plain, p.bias)
 
     def _gemv_projector(self):
-        """Where the gemv runs every row count: x times a projection straight through the op, the
-        same call as ``_project`` makes without its per-call choice (a step makes ~100 of them)."""
-        if set(self.choices) != {"gemv"}:
+        """Where the gemv runs every row count: ``_project`` without its per-call choice (a step
+        makes ~100 of them)."""
+        gemv = self.gemv
+        if gemv is None or set(self.choices) != {"gemv"}:
             return self._project
-        op = torch.ops.miniserve.gemv.default
 
         def project(x: torch.Tensor, p: Projection) -> torch.Tensor:
             if x.shape[0] == 0:
                 return x.new_empty(0, p.n)
-            pn = p.panels
-            return op(x.contiguous(), pn.data, p.bias, pn.n, pn.k, p.row_block, p.k_block)
+            return gemv(x.contiguous(), p.panels, p.bias, p.row_block, p.k_block)
 
         return project
 
