@@ -9,9 +9,10 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from calibration.cost_model import FEATURES, CostModel, plan_features
-from calibration.fit import Errors, fit_nnls, split_heldout
-from calibration.physical import Machine as PhysicalMachine, PhysicalCostModel, PhysicalShape, physical_features
+from calibration.cost_model import FEATURES, SAMPLE_KNOTS, TOKEN_KNOTS, CostModel, plan_features
+from calibration.fit import Errors, fit_nnls_on_knots, knot_map, split_heldout, supported_knots
+from calibration.physical import (PHYSICAL_FEATURES, ROW_KNOTS, Machine as PhysicalMachine, PhysicalCostModel, PhysicalShape,
+                                  physical_features)
 from calibration.grid import GRID_SPECS, build_grid
 from calibration.kv_copy import measure_kv_copy
 from calibration.bandwidth_history import profile_history
@@ -59,7 +60,12 @@ def fit_cost_model(measurements: list[Measurement], heldout: np.ndarray) -> tupl
     """Coefficients fitted on the rows not held out, and every row's prediction."""
     X = np.asarray([plan_features(m.plan) for m in measurements])
     y = np.asarray([m.typical_s for m in measurements])
-    coef = fit_nnls(X[~heldout], y[~heldout])
+    train = [m.plan for m, held in zip(measurements, heldout) if not held]
+    tokens = knot_map(TOKEN_KNOTS, supported_knots((p.total_tokens for p in train), TOKEN_KNOTS), proportional=True)
+    samples = knot_map(SAMPLE_KNOTS, supported_knots((p.num_samples for p in train if p.num_samples), SAMPLE_KNOTS),
+                       proportional=True)
+    coef = fit_nnls_on_knots(X[~heldout], y[~heldout], [(FEATURES.index(f"tokens@{TOKEN_KNOTS[0]}"), tokens),
+                                                        (FEATURES.index(f"samples@{SAMPLE_KNOTS[0]}"), samples)])
     return coef, X @ coef
 
 
@@ -69,7 +75,10 @@ def fit_physical(measurements: list, heldout: np.ndarray, shape: PhysicalShape,
     as the empirical model), and every row's prediction."""
     X = np.asarray([physical_features(m.plan, shape, machine) for m in measurements])
     y = np.asarray([m.median_s for m in measurements])
-    coef = fit_nnls(X[~heldout], y[~heldout])
+    train = [m.plan for m, held in zip(measurements, heldout) if not held]
+    rows = [p.total_tokens for p in train] + [p.num_samples for p in train if p.num_samples]
+    curve = knot_map(ROW_KNOTS, supported_knots(rows, ROW_KNOTS), proportional=False)
+    coef = fit_nnls_on_knots(X[~heldout], y[~heldout], [(PHYSICAL_FEATURES.index(f"rows@{ROW_KNOTS[0]}"), curve)])
     return coef, X @ coef
 
 

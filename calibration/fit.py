@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from bisect import bisect_right
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,71 @@ def fit_nnls(X: np.ndarray, y: np.ndarray, relative: bool = True) -> np.ndarray:
     scale[scale == 0] = 1.0
     coef, _ = nnls(A / scale, y * w, maxiter=50 * X.shape[1])
     return coef / scale
+
+
+def supported_knots(xs: Iterable[float], knots: Sequence[int]) -> list[bool]:
+    """Which knots of a hat basis the data pins down: those carrying at least one call's worth of
+    hat weight summed over the calls (an x beyond either end weighs on that end). A knot no
+    measured call comes near carries no information, and least squares gives it any value (0,
+    with non-negativity): a grid with no call near 12 tokens predicted a 12-token prefill at a
+    quarter of its time. One call halfway between two knots does not pin either: the fit could
+    trade them, doubling that call's noise into the curve."""
+    weight = [0.0] * len(knots)
+    for x in xs:
+        if x <= knots[0]:
+            weight[0] += 1.0
+        elif x >= knots[-1]:
+            weight[-1] += 1.0
+        else:
+            i = bisect_right(knots, x) - 1
+            w = (x - knots[i]) / (knots[i + 1] - knots[i])
+            weight[i] += 1.0 - w
+            weight[i + 1] += w
+    return [w >= 1.0 - 1e-9 for w in weight]
+
+
+def knot_map(knots: Sequence[int], supported: Sequence[bool], proportional: bool) -> np.ndarray:
+    """(all knots × supported knots) map from a curve's values at the supported knots to its values
+    at every knot: linear between supported neighbours; past the outermost ones constant, or, for
+    a ``proportional`` curve (a cost that grows with its rows), scaled by the knot over the
+    outermost. The curve through every knot is then the curve through the supported ones."""
+    keep = [i for i, s in enumerate(supported) if s]
+    if not keep:
+        return np.eye(len(knots))
+    M = np.zeros((len(knots), len(keep)))
+    for j, k in enumerate(knots):
+        b = bisect_right([knots[i] for i in keep], k)  # supported knots at or below k
+        if b and knots[keep[b - 1]] == k:
+            M[j, b - 1] = 1.0
+        elif b == 0 or b == len(keep):
+            edge = 0 if b == 0 else len(keep) - 1
+            M[j, edge] = k / knots[keep[edge]] if proportional else 1.0
+        else:
+            lo, hi = knots[keep[b - 1]], knots[keep[b]]
+            t = (k - lo) / (hi - lo)
+            M[j, b - 1], M[j, b] = 1.0 - t, t
+    return M
+
+
+def fit_nnls_on_knots(X: np.ndarray, y: np.ndarray, groups: Sequence[tuple[int, np.ndarray]]) -> np.ndarray:
+    """fit_nnls where some columns are hat bases: ``groups`` gives, per basis, its first column and
+    its knot_map; only the supported knots are fitted, the others follow from their neighbours
+    (every coefficient stays non-negative: the maps are)."""
+    n = X.shape[1]
+    blocks, col = [], 0
+    for start, M in sorted(groups, key=lambda g: g[0]):
+        if start > col:
+            blocks.append(np.eye(start - col))
+        blocks.append(M)
+        col = start + M.shape[0]
+    if col < n:
+        blocks.append(np.eye(n - col))
+    full = np.zeros((n, sum(b.shape[1] for b in blocks)))
+    r = c = 0
+    for b in blocks:
+        full[r:r + b.shape[0], c:c + b.shape[1]] = b
+        r, c = r + b.shape[0], c + b.shape[1]
+    return full @ fit_nnls(np.asarray(X, dtype=float) @ full, y)
 
 
 @dataclass(frozen=True)
