@@ -7,7 +7,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.linalg import block_diag
 from scipy.optimize import nnls
+
+from calibration.physical import hats
 
 
 def fit_nnls(X: np.ndarray, y: np.ndarray, relative: bool = True) -> np.ndarray:
@@ -32,15 +35,8 @@ def supported_knots(xs: Iterable[float], knots: Sequence[int]) -> list[bool]:
     trade them, doubling that call's noise into the curve."""
     weight = [0.0] * len(knots)
     for x in xs:
-        if x <= knots[0]:
-            weight[0] += 1.0
-        elif x >= knots[-1]:
-            weight[-1] += 1.0
-        else:
-            i = bisect_right(knots, x) - 1
-            w = (x - knots[i]) / (knots[i + 1] - knots[i])
-            weight[i] += 1.0 - w
-            weight[i + 1] += w
+        for i, w in hats(x, knots):
+            weight[i] += w
     return [w >= 1.0 - 1e-9 for w in weight]
 
 
@@ -52,9 +48,10 @@ def knot_map(knots: Sequence[int], supported: Sequence[bool], proportional: bool
     keep = [i for i, s in enumerate(supported) if s]
     if not keep:
         return np.eye(len(knots))
+    kept = [knots[i] for i in keep]
     M = np.zeros((len(knots), len(keep)))
     for j, k in enumerate(knots):
-        b = bisect_right([knots[i] for i in keep], k)  # supported knots at or below k
+        b = bisect_right(kept, k)  # supported knots at or below k
         if b and knots[keep[b - 1]] == k:
             M[j, b - 1] = 1.0
         elif b == 0 or b == len(keep):
@@ -71,20 +68,11 @@ def fit_nnls_on_knots(X: np.ndarray, y: np.ndarray, groups: Sequence[tuple[int, 
     """fit_nnls where some columns are hat bases: ``groups`` gives, per basis, its first column and
     its knot_map; only the supported knots are fitted, the others follow from their neighbours
     (every coefficient stays non-negative: the maps are)."""
-    n = X.shape[1]
     blocks, col = [], 0
     for start, M in sorted(groups, key=lambda g: g[0]):
-        if start > col:
-            blocks.append(np.eye(start - col))
-        blocks.append(M)
+        blocks += [np.eye(start - col), M]
         col = start + M.shape[0]
-    if col < n:
-        blocks.append(np.eye(n - col))
-    full = np.zeros((n, sum(b.shape[1] for b in blocks)))
-    r = c = 0
-    for b in blocks:
-        full[r:r + b.shape[0], c:c + b.shape[1]] = b
-        r, c = r + b.shape[0], c + b.shape[1]
+    full = block_diag(*blocks, np.eye(X.shape[1] - col))
     return full @ fit_nnls(np.asarray(X, dtype=float) @ full, y)
 
 
