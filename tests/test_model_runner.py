@@ -1,5 +1,10 @@
 """The packed ragged forward is exact: per-request logits equal an unbatched reference forward."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -13,6 +18,8 @@ from engine.core.plan import BatchPlan
 from engine.core.request import Request
 from engine.core.scheduler import make_scheduler
 from engine.core.state import ServingState
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
@@ -104,6 +111,21 @@ def test_bf16_runs_and_stays_close_to_fp32_reference():
         assert torch.isfinite(logits).all() and len(result.token_ids) == plan.num_samples
         runner.free(r.request_id for r in state.apply(plan, result.token_ids, 0.0, 0.0))
     assert sum(r.num_output_tokens for r in state.finished) == sum(r.max_tokens for r in mixed_requests(512))
+
+
+def test_bf16_runs_on_a_cpu_without_avx512():
+    """An AVX2-only CPU (masked here, in a fresh process: kernel loads are cached per process) has
+    none of our kernels, and oneDNN's bf16 linear refuses it at packing time (it raised on a real
+    one): the engine runs bf16 on F.linear there."""
+    code = ("import torch\n"
+            "from engine.model.kernels import dispatch\n"
+            "assert dispatch.linear_candidates(torch.bfloat16) == ['torch'], dispatch.linear_candidates(torch.bfloat16)\n"
+            "assert 'onednn' in dispatch.linear_candidates(torch.float32) or not dispatch.onednn_available()\n"
+            "import tests.test_model_runner as t\n"
+            "t.test_bf16_runs_and_stays_close_to_fp32_reference()\n")
+    env = {**os.environ, "MINISERVE_CPU_FEATURES": "avx2"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_local_qwen3_checkpoint_loads_offline_and_matches_reference(tmp_path):

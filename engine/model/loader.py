@@ -47,8 +47,8 @@ def pack_linear_weights(model: PreTrainedModel) -> int:
         y = dispatch.onednn_linear(x.reshape(-1, x.shape[-1]), self.packed_weight, self.bias)
         return y.view(*x.shape[:-1], y.shape[-1])
 
-    if model.device.type != "cpu" or not dispatch.onednn_available():
-        return 0  # oneDNN packing is a CPU path; elsewhere the stock linears run
+    if model.device.type != "cpu" or not dispatch.onednn_available(model.dtype):
+        return 0  # oneDNN packing is a CPU path (bf16 only where oneDNN has it); elsewhere the stock linears run
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     embeddings = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     for m in linears:

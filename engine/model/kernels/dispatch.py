@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import kernels
-from engine.model.kernels.features import cache_sizes, cpu_features, cpu_model, detected
+from engine.model.kernels.features import ENV, cache_sizes, cpu_features, cpu_model, detected
 
 LINEAR = ("gemv", "onednn", "torch")
 ATTENTION = ("kernel", "sdpa")
@@ -52,8 +52,16 @@ log = logging.getLogger("miniserve.dispatch")
 
 # -- oneDNN (torch's private ops) --------------------------------------------------------------
 
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available()
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN's linear runs ``dtype`` on this CPU: its bf16 path needs AVX-512 (or
+    AVX-NE-CONVERT) and refuses an AVX2-only CPU with an error at packing time. A
+    ``MINISERVE_CPU_FEATURES`` mask without AVX-512 makes this CPU such a one here too."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype != torch.bfloat16:
+        return True
+    masked_out = bool(os.environ.get(ENV, "").strip()) and "avx512" not in cpu_features()
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported() and not masked_out
 
 
 def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
@@ -206,7 +214,7 @@ def _fastest_alternating(fns: dict[str, Callable[[], object]], repeats: int) -> 
 def linear_candidates(dtype: torch.dtype) -> list[str]:
     """The linear candidates this machine runs for ``dtype``."""
     return [c for c in LINEAR if (c != "gemv" or kernels.gemv(dtype) is not None)
-            and (c != "onednn" or onednn_available())]
+            and (c != "onednn" or onednn_available(dtype))]
 
 
 @torch.inference_mode()
