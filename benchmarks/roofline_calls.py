@@ -67,7 +67,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names from: " + ", ".join(SHAPES))
     args = ap.parse_args()
+    shapes = {n: SHAPES[n] for n in (s.strip() for s in args.shapes.split(",")) if n}
     torch.set_num_threads(args.threads)
     print(f"threads={torch.get_num_threads()}; {args.rounds} rounds of (probe, call) per shape, "
           f"each call the median of {args.repeats}")
@@ -86,7 +88,7 @@ def main() -> None:
         print(f"\n{d}: {'shape':12s} {'meas ms':>8s} {'probe GB/s':>11s} {'GFLOP/s':>8s} {'roof ms':>8s} {'bound':>7s} "
               f"{'meas/roof':>9s}" + (f" {'issue roof':>10s} {'meas/issue':>10s}" if issue else ""), flush=True)
         splits = {}
-        for name, (contexts, chunks) in SHAPES.items():
+        for name, (contexts, chunks) in shapes.items():
             plan, reqs = shape_plan(runner, contexts, chunks, name.replace(" ", "_"))
             for _ in range(2):
                 runner.execute(plan, reqs)  # warm this shape

@@ -28,7 +28,8 @@ from engine.core.request import Request
 FEATURES = cpu_features()  # this CPU's, less the MINISERVE_CPU_FEATURES mask
 ON = kernels.enabled()  # MINISERVE_KERNELS=0: none is built, whatever the CPU
 HAS_AVX512 = ON and "avx512" in FEATURES
-EXPECTED = {torch.float32: HAS_AVX512, torch.bfloat16: HAS_AVX512 and "avx512_bf16" in FEATURES}
+# the fp32 gemv has an AVX2 form too; bf16 needs AVX512-BF16's dot products
+EXPECTED = {torch.float32: ON and "avx2" in FEATURES, torch.bfloat16: HAS_AVX512 and "avx512_bf16" in FEATURES}
 
 
 def needs(op: str, *dtypes: torch.dtype):
@@ -76,10 +77,13 @@ def test_a_mask_naming_an_unknown_feature_is_a_clear_error():
 def test_the_engine_sees_the_masked_features(monkeypatch):
     monkeypatch.setenv("MINISERVE_CPU_FEATURES", "avx2")
     assert cpu_features() == detected() & {"avx2"}
-    assert not kernels.can_run("gemv", torch.float32) and not kernels.can_run("argmax", torch.float32)
+    assert kernels.can_run("gemv", torch.float32) == ("avx2" in detected())  # its AVX2 form
+    assert not kernels.can_run("gemv", torch.bfloat16) and not kernels.can_run("argmax", torch.float32)
+    monkeypatch.setenv("MINISERVE_CPU_FEATURES", "none")
+    assert not kernels.can_run("gemv", torch.float32)
     monkeypatch.setenv("MINISERVE_CPU_FEATURES", "avx512")
     assert not kernels.can_run("gemv", torch.bfloat16)
-    assert kernels.can_run("gemv", torch.float32) == ("avx512" in detected())
+    assert kernels.can_run("argmax", torch.float32) == ("avx512" in detected())
 
 
 @needs("gemv", torch.float32)
@@ -87,17 +91,45 @@ def test_the_raw_ops_obey_the_features_the_engine_allows():
     kernels.gemv(torch.float32)  # built; the C++ checks were told FEATURES
     assert torch.ops.miniserve.gemv_supported(torch.bfloat16) == EXPECTED[torch.bfloat16]
     try:
-        torch.ops.miniserve.allow_cpu_features(True, False)
+        torch.ops.miniserve.allow_cpu_features("avx2" in FEATURES, "avx512" in FEATURES, False)
         assert not torch.ops.miniserve.gemv_supported(torch.bfloat16)
         assert torch.ops.miniserve.gemv_supported(torch.float32)
-        torch.ops.miniserve.allow_cpu_features(False, False)
+        torch.ops.miniserve.allow_cpu_features(True, False, False)  # AVX2 only: the fp32 gemv alone
+        assert torch.ops.miniserve.gemv_supported(torch.float32)
+        assert not torch.ops.miniserve.argmax_supported(torch.float32)
+        torch.ops.miniserve.allow_cpu_features(False, False, False)
         for supported in (torch.ops.miniserve.gemv_supported(torch.float32),
                           torch.ops.miniserve.argmax_supported(torch.float32),
                           torch.ops.miniserve.layer_ops_supported(torch.float32),
                           torch.ops.miniserve.decode_attention_supported(torch.float32, 64)):
             assert not supported
     finally:
-        torch.ops.miniserve.allow_cpu_features("avx512" in FEATURES, "avx512_bf16" in FEATURES)
+        allow_the_engines_features()
+
+
+def allow_the_engines_features() -> None:
+    torch.ops.miniserve.allow_cpu_features("avx2" in FEATURES, "avx512" in FEATURES, "avx512_bf16" in FEATURES)
+
+
+@needs("gemv", torch.float32)
+@pytest.mark.skipif(not HAS_AVX512, reason="compares the AVX2 form with the AVX-512 one: needs AVX-512")
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 40), k=st.integers(1, 300), n=st.integers(1, 100), bias=st.booleans(),
+       seed=st.integers(0, 2**16), k_block=st.sampled_from([2, 64, 384]))
+def test_the_avx2_gemv_gives_the_avx512_ones_values(rows, k, n, bias, seed, k_block):
+    """Each output is one FMA chain in k order in both forms (only the vector width and the row
+    blocking differ), so an AVX2-only CPU computes the same logits bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    panels = kernels.pack_panels(w)
+    wide = kernels.gemv(torch.float32)(x, panels, b, 16, k_block)
+    try:
+        torch.ops.miniserve.allow_cpu_features(True, False, False)  # as an AVX2-only CPU
+        narrow = kernels.gemv(torch.float32)(x, panels, b, 16, k_block)
+    finally:
+        allow_the_engines_features()
+    assert torch.equal(wide, narrow)
 
 
 @needs("gemv", torch.float32)
@@ -161,14 +193,14 @@ def test_bad_input_is_a_clear_error(make, message):
         torch.ops.miniserve.gemv.default(*make())
 
 
-def test_the_kernel_can_be_switched_off_and_is_not_built_without_avx512(monkeypatch, caplog):
+def test_the_kernel_can_be_switched_off_and_is_not_built_without_avx2(monkeypatch, caplog):
     monkeypatch.setenv("MINISERVE_KERNELS", "0")
     assert kernels._load.__wrapped__() is False
     monkeypatch.delenv("MINISERVE_KERNELS")
-    monkeypatch.setenv("MINISERVE_CPU_FEATURES", "avx2")
+    monkeypatch.setenv("MINISERVE_CPU_FEATURES", "none")
     with caplog.at_level("WARNING", logger="miniserve.kernels"):
         assert kernels._load.__wrapped__() is False
-    assert len(caplog.records) == 1 and "no AVX-512 on this CPU (masked by MINISERVE_CPU_FEATURES)" in caplog.text
+    assert len(caplog.records) == 1 and "no AVX2 on this CPU (masked by MINISERVE_CPU_FEATURES)" in caplog.text
 
 
 def test_a_build_lock_left_by_a_killed_build_is_removed(monkeypatch, tmp_path):

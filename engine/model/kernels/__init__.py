@@ -22,8 +22,8 @@ absent to the raw ops too.
 
 The build (~10 s with g++ and ninja) is cached by torch.utils.cpp_extension under
 ``$TORCH_EXTENSIONS_DIR`` (default ~/.cache/torch_extensions) and redone only when a source or
-the build command changes; concurrent processes wait on a lock file there. A CPU without AVX-512
-skips the build; a machine without a compiler gets a warning. Either way the engine runs, on
+the build command changes; concurrent processes wait on a lock file there. A CPU without AVX2
+skips the build (one with AVX2 but no AVX-512 runs only the fp32 gemv); a machine without a compiler gets a warning. Either way the engine runs, on
 torch's own kernels.
 """
 
@@ -55,9 +55,11 @@ log = logging.getLogger("miniserve.kernels")
 
 # the CPU features each kernel needs, by op and dtype (bf16 keys, values and activations are
 # widened by hand, so only gemv's bf16 dot products need AVX512-BF16; the attention's bf16 scores
-# use them where the CPU has them, and widen the keys where it does not)
+# use them where the CPU has them, and widen the keys where it does not). The fp32 gemv also has
+# an AVX2 form: on an AVX2-only CPU it is the decode linears' kernel (oneDNN's reached 10 GB/s of
+# weights at 8 rows there, docs/architecture.md).
 NEEDS: dict[str, dict[torch.dtype, frozenset[str]]] = {
-    "gemv": {torch.float32: frozenset({"avx512"}), torch.bfloat16: frozenset({"avx512", "avx512_bf16"})},
+    "gemv": {torch.float32: frozenset({"avx2"}), torch.bfloat16: frozenset({"avx512", "avx512_bf16"})},
     "decode_attention": {torch.float32: frozenset({"avx512"}), torch.bfloat16: frozenset({"avx512"})},
     "layer_ops": {torch.float32: frozenset({"avx512"}), torch.bfloat16: frozenset({"avx512"})},
     "argmax": {torch.float32: frozenset({"avx512"}), torch.bfloat16: frozenset({"avx512"})},
@@ -186,11 +188,13 @@ def _load() -> bool:
         log.info("MINISERVE_KERNELS=0: the engine runs torch's own kernels (oneDNN, SDPA, stock ops)")
         return False
     features = cpu_features()
-    if "avx512" not in features:
+    if "avx2" not in features:
         masked = " (masked by MINISERVE_CPU_FEATURES)" if os.environ.get("MINISERVE_CPU_FEATURES") else ""
-        log.warning("no AVX-512 on this CPU%s: miniserve's kernels are not built; the engine runs torch's own",
+        log.warning("no AVX2 on this CPU%s: miniserve's kernels are not built; the engine runs torch's own",
                     masked)
         return False
+    if "avx512" not in features:
+        log.info("no AVX-512 on this CPU: of miniserve's kernels only the fp32 gemv (AVX2) runs")
     try:
         import ninja  # the build tool torch's extension loader runs; on PATH even without an activated venv
         from torch.utils.cpp_extension import load
@@ -211,7 +215,7 @@ def _load() -> bool:
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
         return False
     # the raw ops' *_supported checks see the masked features, as the engine does
-    torch.ops.miniserve.allow_cpu_features("avx512" in features, "avx512_bf16" in features)
+    torch.ops.miniserve.allow_cpu_features("avx2" in features, "avx512" in features, "avx512_bf16" in features)
     return True
 
 

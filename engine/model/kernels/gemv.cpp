@@ -18,9 +18,13 @@
 // sums (~1e-5 on the 0.5B model's logits). The bias is added in fp32 and the result rounded once to
 // the input dtype. benchmarks/gemv_kernel.py measures it against oneDNN.
 //
+// On a CPU with AVX2 but no AVX-512 the fp32 product runs the same scheme in 256-bit vectors
+// (panel_f32_avx2): same panels, same FMA chain per output in k order, so the same values.
+//
 // Built at first use by engine/kernels/__init__.py (torch.utils.cpp_extension). The kernels are
-// compiled for AVX-512 with target attributes and only run where the CPU has it
-// (miniserve::gemv_supported); elsewhere the engine keeps oneDNN.
+// compiled with target attributes and only run where the CPU has what they need
+// (miniserve::gemv_supported: AVX-512 for both dtypes, or AVX2 for fp32); elsewhere the engine
+// keeps oneDNN.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -40,13 +44,14 @@ namespace {
 
 constexpr int64_t kPanel = 32;     // output columns per panel (engine/kernels/__init__.py PANEL)
 constexpr int64_t kBlockRows = 8;  // rows per register block: 2 accumulators per row, 16 of 32 registers
+constexpr int64_t kBlockRowsAvx2 = 6;  // AVX2's: 2 accumulators per row (a half panel), 12 of 16 registers
 
 #ifdef MINISERVE_X86
 
 using namespace miniserve_simd;
 
-bool cpu_has(bool bf16) {  // bf16 also needs AVX512-BF16's dot products
-  return bf16 ? cpu_has_avx512_bf16() : cpu_has_avx512();
+bool cpu_has(bool bf16) {  // bf16 also needs AVX512-BF16's dot products; fp32 runs on AVX2 too
+  return bf16 ? cpu_has_avx512_bf16() : cpu_has_avx512() || cpu_has_avx2();
 }
 
 // What a kernel call asks the memory for while it multiplies (both kinds of step are 128 bytes: one
@@ -99,6 +104,81 @@ MINISERVE_TARGET void panel_f32(const float* x, int64_t K, const float* w, int64
   for (int m = 0; m < M; ++m) {
     _mm512_storeu_ps(part + m * kPanel, a0[m]);
     _mm512_storeu_ps(part + m * kPanel + 16, a1[m]);
+  }
+}
+
+// panel_f32 in AVX2's 16 256-bit registers. A k step of a panel is four vectors: up to two rows
+// take the whole panel at once (8 accumulators beside the 4 weight vectors: at one row, a decode,
+// the weights stream from memory once), more rows take it a half (16 outputs) at a time, six rows
+// per pass (12 accumulators, 2 weight vectors, 1 broadcast: 12 FMAs per 8 loads, where whole-panel
+// pairs did 8 per 6 and reached 0.85x oneDNN's time at 512 rows). M rows are taken over sub-blocks
+// of kSubSteps k steps (16 KB of weights, held in L1 while every pass multiplies them), the
+// running sums going through `part` between sub-blocks as between k blocks: each output's sum
+// stays one FMA chain in k order, as in panel_f32. The first pass of each sub-block asks for what
+// `pf` says.
+constexpr int64_t kSubSteps = 128;
+
+// R rows × H vectors of 8 outputs (columns [col, col + 8H) of the panel) over k steps [k0, k1)
+template <int R, int H, bool Spread>
+MINISERVE_TARGET_AVX2 inline void rows_f32_avx2(const float* x, int64_t K, const float* w, int64_t col, int64_t k0,
+                                                int64_t k1, bool fresh, float* part, Prefetch* pf) {
+  __m256 a[R][H];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < H; ++j)
+      a[r][j] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(part + r * kPanel + col + 8 * j);
+  for (int64_t k = k0; k < k1;) {
+    int64_t run_end = k1;
+    if (Spread && pf && pf->next < pf->end) {
+      run_end = std::min(k1, k + pf->every);
+      _mm_prefetch(pf->next, _MM_HINT_T0);
+      _mm_prefetch(pf->next + 64, _MM_HINT_T0);
+      pf->next += kStepBytes;
+    }
+    for (; k < run_end; ++k) {
+      if (!Spread && pf && pf->ahead) {
+        const char* ahead = reinterpret_cast<const char*>(w + (k + pf->ahead) * kPanel);
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        _mm_prefetch(ahead + 64, _MM_HINT_T0);
+      }
+      __m256 wv[H];
+#pragma GCC unroll 4
+      for (int j = 0; j < H; ++j) wv[j] = _mm256_loadu_ps(w + k * kPanel + col + 8 * j);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * K + k);
+#pragma GCC unroll 4
+        for (int j = 0; j < H; ++j) a[r][j] = _mm256_fmadd_ps(wv[j], xb, a[r][j]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < H; ++j) _mm256_storeu_ps(part + r * kPanel + col + 8 * j, a[r][j]);
+}
+
+// M rows (M > 2) in passes of up to six, each a half panel at a time, over k steps [k0, k1)
+template <int M, bool Spread>
+MINISERVE_TARGET_AVX2 inline void halves_f32_avx2(const float* x, int64_t K, const float* w, int64_t k0, int64_t k1,
+                                                  bool fresh, float* part, Prefetch* pf) {
+  constexpr int R = M > 6 ? 6 : M;
+  rows_f32_avx2<R, 2, Spread>(x, K, w, 0, k0, k1, fresh, part, pf);
+  rows_f32_avx2<R, 2, Spread>(x, K, w, 16, k0, k1, fresh, part, nullptr);
+  if constexpr (M > R) halves_f32_avx2<M - R, Spread>(x + R * K, K, w, k0, k1, fresh, part + R * kPanel, nullptr);
+}
+
+template <int M, bool Spread>
+MINISERVE_TARGET_AVX2 void panel_f32_avx2(const float* x, int64_t K, const float* w, int64_t k0, int64_t k1,
+                                          float* part, Prefetch pf) {
+  for (int64_t s0 = k0; s0 < k1; s0 += kSubSteps) {
+    const int64_t s1 = std::min(k1, s0 + kSubSteps);
+    if constexpr (M <= 2) {
+      rows_f32_avx2<M, 4, Spread>(x, K, w, 0, s0, s1, s0 == 0, part, &pf);
+    } else {
+      halves_f32_avx2<M, Spread>(x, K, w, s0, s1, s0 == 0, part, &pf);
+    }
   }
 }
 
@@ -165,6 +245,20 @@ MINISERVE_TARGET void finish_panel(const float* part, int64_t rows, const T* bia
   }
 }
 
+// finish_panel in AVX2 (fp32): the last panel's columns past N are left unwritten one by one
+MINISERVE_TARGET_AVX2 void finish_panel_avx2(const float* part, int64_t rows, const float* bias, float* y, int64_t p,
+                                             int64_t N) {
+  const int64_t n0 = p * kPanel, n = std::min<int64_t>(kPanel, N - n0);
+  for (int64_t m = 0; m < rows; ++m) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const __m256 b = bias ? _mm256_loadu_ps(bias + n0 + j) : _mm256_setzero_ps();
+      _mm256_storeu_ps(y + m * N + n0 + j, _mm256_add_ps(_mm256_loadu_ps(part + m * kPanel + j), b));
+    }
+    for (; j < n; ++j) y[m * N + n0 + j] = part[m * kPanel + j] + (bias ? bias[n0 + j] : 0.0f);
+  }
+}
+
 template <typename Fn>
 void for_rows(int64_t M, Fn&& fn) {
   switch (M) {
@@ -179,12 +273,12 @@ void for_rows(int64_t M, Fn&& fn) {
   }
 }
 
-// fn(r0, r1, rows in the last 8-row block) for each run of row_block rows
-template <typename Fn>
+// fn(r0, r1, rows in the last register block) for each run of row_block rows
+template <int64_t BlockRows, typename Fn>
 void for_chunks(int64_t M, int64_t row_block, Fn&& fn) {
   for (int64_t r0 = 0; r0 < M; r0 += row_block) {
     const int64_t r1 = std::min(M, r0 + row_block), n = r1 - r0;
-    fn(r0, r1, n - (n - 1) / kBlockRows * kBlockRows);
+    fn(r0, r1, n - (n - 1) / BlockRows * BlockRows);
   }
 }
 
@@ -203,18 +297,18 @@ void for_chunks(int64_t M, int64_t row_block, Fn&& fn) {
 // passes: 0.93x (fp32) and 0.94x (bf16) the time of that at 32 rows, docs/architecture.md).
 constexpr int64_t kStreamAhead = 16 << 10;
 
-template <typename T, typename Kernel>
+template <int64_t BlockRows, typename T, typename Kernel, typename Finish>
 void run_panels(const T* xp, const T* wpp, const T* bp, T* yp, int64_t M, int64_t N, int64_t K, int64_t steps,
-                int64_t block_steps, int64_t row_block, Kernel&& kernel) {
+                int64_t block_steps, int64_t row_block, Kernel&& kernel, Finish&& finish) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const int64_t grain = std::max<int64_t>(1, panels / std::max(1, at::get_num_threads()));
   const int64_t step_elems = kPanel * (sizeof(T) == 2 ? 2 : 1), panel_elems = steps * step_elems;
   static_assert(kPanel * 4 == kStepBytes, "a k step of a panel is 128 bytes in fp32 and in bf16");
-  for_chunks(M, row_block, [&](int64_t r0, int64_t r1, int64_t last) {
+  for_chunks<BlockRows>(M, row_block, [&](int64_t r0, int64_t r1, int64_t last) {
     const int64_t rows = r1 - r0;
-    const bool blocked = rows > kBlockRows;
+    const bool blocked = rows > BlockRows;
     const int64_t block = blocked ? std::max<int64_t>(1, block_steps) : steps;
-    const int64_t passes = (rows + kBlockRows - 1) / kBlockRows;
+    const int64_t passes = (rows + BlockRows - 1) / BlockRows;
     at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
       std::vector<float> part(rows * kPanel);  // the running sums of one panel's outputs
       Prefetch stream;
@@ -239,8 +333,8 @@ void run_panels(const T* xp, const T* wpp, const T* bp, T* yp, int64_t M, int64_
             ++pass;
             return pf;
           };
-          for (; r + kBlockRows < r1; r += kBlockRows) {
-            kernel(std::integral_constant<int, kBlockRows>{}, std::true_type{}, xp + r * K, K, w, s0, s1,
+          for (; r + BlockRows < r1; r += BlockRows) {
+            kernel(std::integral_constant<int, BlockRows>{}, std::true_type{}, xp + r * K, K, w, s0, s1,
                    part.data() + (r - r0) * kPanel, share());
           }
           const Prefetch pf = share();
@@ -252,7 +346,7 @@ void run_panels(const T* xp, const T* wpp, const T* bp, T* yp, int64_t M, int64_
             }
           });
         }
-        finish_panel(part.data(), rows, bp, yp + r0 * N, p, N);
+        finish(part.data(), rows, bp, yp + r0 * N, p, N);
       }
     });
   });
@@ -294,20 +388,29 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
   }
   at::Tensor y = at::empty({M, N}, x.options());
 #ifdef MINISERVE_X86
-  if (!bf16) {
-    run_panels(x.data_ptr<float>(), wp.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr,
+  if (!bf16 && cpu_has_avx512()) {
+    run_panels<kBlockRows>(x.data_ptr<float>(), wp.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr,
                y.data_ptr<float>(), M, N, K, K, k_block, row_block,
                [](auto rows, auto spread, auto&&... args) {
                  panel_f32<decltype(rows)::value, decltype(spread)::value>(args...);
-               });
+               },
+               [](auto&&... args) { finish_panel<float>(args...); });
+  } else if (!bf16) {
+    run_panels<kBlockRowsAvx2>(x.data_ptr<float>(), wp.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr,
+               y.data_ptr<float>(), M, N, K, K, k_block, row_block,
+               [](auto rows, auto spread, auto&&... args) {
+                 panel_f32_avx2<decltype(rows)::value, decltype(spread)::value>(args...);
+               },
+               [](auto&&... args) { finish_panel_avx2(args...); });
   } else {
     auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); };
-    run_panels(static_cast<const uint16_t*>(bits(x)), static_cast<const uint16_t*>(bits(wp)),
+    run_panels<kBlockRows>(static_cast<const uint16_t*>(bits(x)), static_cast<const uint16_t*>(bits(wp)),
                has_bias ? static_cast<const uint16_t*>(bits(*bias)) : nullptr, bits(y), M, N, K, (K + 1) / 2,
                (k_block + 1) / 2, row_block,
                [](auto rows, auto spread, auto&&... args) {
                  panel_bf16<decltype(rows)::value, decltype(spread)::value>(args...);
-               });
+               },
+               [](auto&&... args) { finish_panel<uint16_t>(args...); });
   }
 #endif
   return y;
@@ -315,8 +418,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
 
 // The features the engine allows every kernel (MINISERVE_CPU_FEATURES): a masked one is absent to
 // each *_supported check, as it is to the engine.
-void allow_cpu_features(bool avx512, bool avx512_bf16) {
+void allow_cpu_features(bool avx2, bool avx512, bool avx512_bf16) {
 #ifdef MINISERVE_X86
+  miniserve_simd::allow_avx2().store(avx2);
   miniserve_simd::allow_avx512().store(avx512);
   miniserve_simd::allow_avx512_bf16().store(avx512_bf16);
 #endif
@@ -327,7 +431,7 @@ void allow_cpu_features(bool avx512, bool avx512_bf16) {
 TORCH_LIBRARY(miniserve, m) {
   m.def("gemv(Tensor x, Tensor panels, Tensor? bias, int N, int K, int row_block=64, int k_block=256) -> Tensor");
   m.def("gemv_supported(ScalarType dtype) -> bool", &gemv_supported);
-  m.def("allow_cpu_features(bool avx512, bool avx512_bf16) -> ()", &allow_cpu_features);
+  m.def("allow_cpu_features(bool avx2, bool avx512, bool avx512_bf16) -> ()", &allow_cpu_features);
 }
 
 TORCH_LIBRARY_IMPL(miniserve, CPU, m) { m.impl("gemv", &gemv); }

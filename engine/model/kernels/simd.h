@@ -1,7 +1,8 @@
 // AVX-512 helpers shared by miniserve's kernels: 16 fp32 lanes loaded from and stored to fp32 or
 // bf16 (widened on load, rounded to nearest even on store, as torch rounds), with masked forms
 // for a row's last n < 16 elements, and e^x. Functions carry their target attribute, so the
-// files build with plain flags and run only where cpu_has_avx512() holds.
+// files build with plain flags and run only where cpu_has_avx512() holds; the few kernels with an
+// AVX2 form (MINISERVE_TARGET_AVX2) run where cpu_has_avx2() holds.
 #pragma once
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -12,12 +13,17 @@
 
 #define MINISERVE_X86 1
 #define MINISERVE_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define MINISERVE_TARGET_AVX2 __attribute__((target("avx2,fma")))
 
 namespace miniserve_simd {
 
 // What the engine allows (MINISERVE_CPU_FEATURES masks features away; engine/model/kernels/
 // features.py): set through miniserve::allow_cpu_features after the build. One instance per
 // library (inline function statics), read by every *_supported check.
+inline std::atomic<bool>& allow_avx2() {
+  static std::atomic<bool> allowed{true};
+  return allowed;
+}
 inline std::atomic<bool>& allow_avx512() {
   static std::atomic<bool> allowed{true};
   return allowed;
@@ -25,6 +31,12 @@ inline std::atomic<bool>& allow_avx512() {
 inline std::atomic<bool>& allow_avx512_bf16() {
   static std::atomic<bool> allowed{true};
   return allowed;
+}
+
+inline bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return allow_avx2().load(std::memory_order_relaxed) && __builtin_cpu_supports("avx2") &&
+         __builtin_cpu_supports("fma");
 }
 
 inline bool cpu_has_avx512() {
