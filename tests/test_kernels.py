@@ -377,8 +377,8 @@ def test_the_engine_attends_every_token_of_a_step_in_one_kernel_call_per_layer(m
 
 
 def test_layer_ops_build_wherever_the_cpu_can_run_them():
-    for dtype in (torch.float32, torch.bfloat16):
-        assert (kernels.layer_ops(dtype) is not None) == HAS_AVX512
+    assert (kernels.layer_ops(torch.float32) is not None) == (ON and "avx2" in FEATURES)  # fp32 has an AVX2 form
+    assert (kernels.layer_ops(torch.bfloat16) is not None) == HAS_AVX512
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -386,11 +386,31 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() - b.double()).abs() / (torch.finfo(b.dtype).eps * b.double().abs().clamp_min(1e-30))
 
 
-@needs("layer_ops", torch.float32, torch.bfloat16)
+LAYER_OPS_DTYPES = [d for d in (torch.float32, torch.bfloat16) if ON and kernels.can_run("layer_ops", d)]
+
+
+@needs("layer_ops", torch.float32)
 @settings(max_examples=40, deadline=None)
-@given(dtype=st.sampled_from([torch.float32, torch.bfloat16]), t=st.integers(1, 20), n=st.integers(1, 70),
+@given(dtype=st.sampled_from(LAYER_OPS_DTYPES or [torch.float32]), t=st.integers(1, 20), n=st.integers(1, 70),
        heads=st.sampled_from([(4, 2), (14, 2), (2, 2)]), d=st.sampled_from([2, 16, 34, 64]), seed=st.integers(0, 2**16))
 def test_fused_layer_ops_round_where_the_stock_ops_round(dtype, t, n, heads, d, seed):
+    check_fused_against_stock(dtype, t, n, heads, d, seed)
+
+
+@needs("layer_ops", torch.float32)
+@pytest.mark.skipif(not HAS_AVX512, reason="runs the AVX2 form on an AVX-512 CPU (an AVX2-only one runs it above)")
+@settings(max_examples=25, deadline=None)
+@given(t=st.integers(1, 20), n=st.integers(1, 70), heads=st.sampled_from([(4, 2), (14, 2), (2, 2)]),
+       d=st.sampled_from([2, 16, 34, 64]), seed=st.integers(0, 2**16))
+def test_the_avx2_layer_ops_round_where_the_stock_ops_round(t, n, heads, d, seed):
+    try:
+        torch.ops.miniserve.allow_cpu_features(True, False, False)  # as an AVX2-only CPU
+        check_fused_against_stock(torch.float32, t, n, heads, d, seed)
+    finally:
+        allow_the_engines_features()
+
+
+def check_fused_against_stock(dtype, t, n, heads, d, seed):
     fused, stock = kernels.layer_ops(dtype), kernels.TORCH_LAYER_OPS
     g = torch.Generator().manual_seed(seed)
 

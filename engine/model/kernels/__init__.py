@@ -55,13 +55,14 @@ log = logging.getLogger("miniserve.kernels")
 
 # the CPU features each kernel needs, by op and dtype (bf16 keys, values and activations are
 # widened by hand, so only gemv's bf16 dot products need AVX512-BF16; the attention's bf16 scores
-# use them where the CPU has them, and widen the keys where it does not). The fp32 gemv also has
-# an AVX2 form: on an AVX2-only CPU it is the decode linears' kernel (oneDNN's reached 10 GB/s of
-# weights at 8 rows there, docs/architecture.md).
+# use them where the CPU has them, and widen the keys where it does not). The fp32 gemv and layer
+# ops also have an AVX2 form: an AVX2-only CPU runs fp32 (oneDNN's linear reached 10 GB/s of
+# weights at 8 rows on one, and ~30 torch ops per layer cost a fifth of a decode call there;
+# docs/architecture.md).
 NEEDS: dict[str, dict[torch.dtype, frozenset[str]]] = {
     "gemv": {torch.float32: frozenset({"avx2"}), torch.bfloat16: frozenset({"avx512", "avx512_bf16"})},
     "decode_attention": {torch.float32: frozenset({"avx512"}), torch.bfloat16: frozenset({"avx512"})},
-    "layer_ops": {torch.float32: frozenset({"avx512"}), torch.bfloat16: frozenset({"avx512"})},
+    "layer_ops": {torch.float32: frozenset({"avx2"}), torch.bfloat16: frozenset({"avx512"})},
     "argmax": {torch.float32: frozenset({"avx512"}), torch.bfloat16: frozenset({"avx512"})},
 }
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # decode_attention.cpp's
@@ -194,7 +195,7 @@ def _load() -> bool:
                     masked)
         return False
     if "avx512" not in features:
-        log.info("no AVX-512 on this CPU: of miniserve's kernels only the fp32 gemv (AVX2) runs")
+        log.info("no AVX-512 on this CPU: of miniserve's kernels only the fp32 gemv and layer ops (AVX2) run")
     try:
         import ninja  # the build tool torch's extension loader runs; on PATH even without an activated venv
         from torch.utils.cpp_extension import load

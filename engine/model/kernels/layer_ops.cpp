@@ -16,7 +16,8 @@
 //   RMS-normalised over its D values as add_rms_norm does a row (Qwen3Attention's q_norm / k_norm,
 //   applied after the projection and before the rotation), in the same pass.
 // Only the order of the sum of squares and exp's polynomial (simd.h) differ from torch's: logits
-// move by rounding (tests hold them to the unbatched reference at 1e-5 in fp32).
+// move by rounding (tests hold them to the unbatched reference at 1e-5 in fp32). fp32 also runs on
+// AVX2 alone (the *_avx2 forms), where bf16 stays on torch's ops.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -155,6 +156,111 @@ MINISERVE_TARGET void rotary_kv_tokens(const T* qkv, const T* cos, const T* sin,
   }
 }
 
+// The same three in AVX2, fp32 only (an AVX2-only CPU runs fp32: model.dtype=auto picks it there).
+// fp32 rounds nowhere between the steps, so each is the AVX-512 form's arithmetic 8 lanes at a time.
+MINISERVE_TARGET_AVX2 void add_rms_norm_rows_avx2(float* h, const float* delta, const float* w, float* x, int64_t r0,
+                                                  int64_t r1, int64_t n, float eps) {
+  for (int64_t r = r0; r < r1; ++r) {
+    float* hr = h + r * n;
+    __m256 ss = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256i m = lanes8(n - i);
+      __m256 v = load8(hr + i, m);
+      if (delta) {
+        v = _mm256_add_ps(v, load8(delta + r * n + i, m));
+        store8(hr + i, v, m);
+      }
+      ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    const float inv = 1.0f / std::sqrt(reduce_add8(ss) / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256i m = lanes8(n - i);
+      const __m256 xn = _mm256_mul_ps(load8(hr + i, m), _mm256_set1_ps(inv));
+      store8(x + r * n + i, _mm256_mul_ps(load8(w + i, m), xn), m);
+    }
+  }
+}
+
+MINISERVE_TARGET_AVX2 inline void rms_norm_head_avx2(const float* x, const float* w, float* y, int64_t D, float eps) {
+  __m256 ss = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 v = load8(x + i, lanes8(D - i));
+    ss = _mm256_fmadd_ps(v, v, ss);
+  }
+  const float inv = 1.0f / std::sqrt(reduce_add8(ss) / static_cast<float>(D) + eps);
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256i m = lanes8(D - i);
+    store8(y + i, _mm256_mul_ps(load8(w + i, m), _mm256_mul_ps(load8(x + i, m), _mm256_set1_ps(inv))), m);
+  }
+}
+
+MINISERVE_TARGET_AVX2 inline __m256 silu_times8(__m256 x, __m256 up) {
+  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+  return _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), up);
+}
+
+MINISERVE_TARGET_AVX2 void silu_mul_rows_avx2(const float* gu, float* out, int64_t r0, int64_t r1, int64_t inter) {
+  constexpr int kVecs = 4;  // as silu_mul_rows: independent chains side by side
+  for (int64_t r = r0; r < r1; ++r) {
+    const float *g = gu + r * 2 * inter, *u = g + inter;
+    float* o = out + r * inter;
+    int64_t i = 0;
+    for (; i + 8 * kVecs <= inter; i += 8 * kVecs) {
+      __m256 y[kVecs];
+#pragma GCC unroll 4
+      for (int j = 0; j < kVecs; ++j) y[j] = silu_times8(_mm256_loadu_ps(g + i + 8 * j), _mm256_loadu_ps(u + i + 8 * j));
+#pragma GCC unroll 4
+      for (int j = 0; j < kVecs; ++j) _mm256_storeu_ps(o + i + 8 * j, y[j]);
+    }
+    for (; i < inter; i += 8) {
+      const __m256i m = lanes8(inter - i);
+      store8(o + i, silu_times8(load8(g + i, m), load8(u + i, m)), m);
+    }
+  }
+}
+
+MINISERVE_TARGET_AVX2 inline void rotate_avx2(const float* x, const float* cos, const float* sin, float* y, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; i += 8) {
+    const __m256i m = lanes8(half - i);
+    const __m256 x1 = load8(x + i, m), x2 = load8(x + half + i, m);
+    const __m256 neg_x2 = _mm256_sub_ps(_mm256_setzero_ps(), x2);
+    store8(y + i, _mm256_add_ps(_mm256_mul_ps(x1, load8(cos + i, m)), _mm256_mul_ps(neg_x2, load8(sin + i, m))), m);
+    store8(y + half + i,
+           _mm256_add_ps(_mm256_mul_ps(x2, load8(cos + half + i, m)), _mm256_mul_ps(x1, load8(sin + half + i, m))), m);
+  }
+}
+
+MINISERVE_TARGET_AVX2 void rotary_kv_tokens_avx2(const float* qkv, const float* cos, const float* sin, float* q,
+                                                 float* ks, float* vs, const int64_t* slots, const int64_t* positions,
+                                                 int64_t t0, int64_t t1, int64_t H, int64_t KVH, int64_t D,
+                                                 int64_t max_len, const float* qn, const float* kn, float eps) {
+  const int64_t width = (H + 2 * KVH) * D;
+  for (int64_t t = t0; t < t1; ++t) {
+    const float *x = qkv + t * width, *c = cos + t * D, *s = sin + t * D;
+    for (int64_t h = 0; h < H; ++h) {
+      float* y = q + (t * H + h) * D;
+      if (qn) {
+        rms_norm_head_avx2(x + h * D, qn, y, D, eps);
+        rotate_avx2(y, c, s, y, D);
+      } else {
+        rotate_avx2(x + h * D, c, s, y, D);
+      }
+    }
+    for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t at = ((slots[t] * KVH + h) * max_len + positions[t]) * D;
+      if (kn) {
+        rms_norm_head_avx2(x + (H + h) * D, kn, ks + at, D, eps);
+        rotate_avx2(ks + at, c, s, ks + at, D);
+      } else {
+        rotate_avx2(x + (H + h) * D, c, s, ks + at, D);
+      }
+      const float* v = x + (H + KVH + h) * D;
+      for (int64_t i = 0; i < D; i += 8) store8(vs + at + i, load8(v + i, lanes8(D - i)), lanes8(D - i));
+    }
+  }
+}
+
 template <typename T>
 T* ptr(const at::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
@@ -174,15 +280,16 @@ void by_dtype(at::ScalarType dtype, Fn&& fn) {
 
 bool layer_ops_supported(at::ScalarType dtype) {
 #ifdef MINISERVE_X86
-  return (dtype == at::kFloat || dtype == at::kBFloat16) && cpu_has_avx512();
+  return ((dtype == at::kFloat || dtype == at::kBFloat16) && cpu_has_avx512()) ||
+         (dtype == at::kFloat && cpu_has_avx2());
 #else
   return false;
 #endif
 }
 
 void check_rows(const char* op, const at::Tensor& t, const char* name, int64_t cols, at::ScalarType dtype) {
-  TORCH_CHECK(layer_ops_supported(t.scalar_type()), op, "no kernel for ", t.scalar_type(), " on this CPU");
   TORCH_CHECK(t.scalar_type() == dtype, op, name, " is ", t.scalar_type(), ", expected ", dtype);
+  TORCH_CHECK(layer_ops_supported(t.scalar_type()), op, "no kernel for ", t.scalar_type(), " on this CPU");
   TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && (cols < 0 || t.size(1) == cols), op, name,
               " must be a contiguous (rows, ", cols < 0 ? t.size(-1) : cols, ") tensor, got ", t.sizes());
 }
@@ -206,6 +313,14 @@ at::Tensor add_rms_norm(const at::Tensor& h, const std::optional<at::Tensor>& de
               op, "weight must be a contiguous (", n, ",) tensor of h's dtype");
   at::Tensor x = at::empty_like(h);
 #ifdef MINISERVE_X86
+  if (!cpu_has_avx512()) {  // AVX2, fp32
+    float *hp = ptr<float>(h), *xp = ptr<float>(x);
+    const float* dp = has_delta ? ptr<float>(*delta) : nullptr;
+    at::parallel_for(0, rows, grain(n), [&](int64_t r0, int64_t r1) {
+      add_rms_norm_rows_avx2(hp, dp, ptr<float>(weight), xp, r0, r1, n, static_cast<float>(eps));
+    });
+    return x;
+  }
   by_dtype(h.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     T *hp = ptr<T>(h), *xp = ptr<T>(x);
@@ -225,6 +340,12 @@ at::Tensor silu_mul(const at::Tensor& gu, int64_t inter) {
   const int64_t rows = gu.size(0);
   at::Tensor out = at::empty({rows, inter}, gu.options());
 #ifdef MINISERVE_X86
+  if (!cpu_has_avx512()) {  // AVX2, fp32
+    at::parallel_for(0, rows, grain(inter), [&](int64_t r0, int64_t r1) {
+      silu_mul_rows_avx2(ptr<float>(gu), ptr<float>(out), r0, r1, inter);
+    });
+    return out;
+  }
   by_dtype(gu.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     at::parallel_for(0, rows, grain(inter), [&](int64_t r0, int64_t r1) {
@@ -270,6 +391,16 @@ at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   }
   at::Tensor q = at::empty({T, heads, D}, qkv.options());
 #ifdef MINISERVE_X86
+  if (!cpu_has_avx512()) {  // AVX2, fp32
+    const float* qn = has_qn ? ptr<float>(*q_norm) : nullptr;
+    const float* kn = has_kn ? ptr<float>(*k_norm) : nullptr;
+    at::parallel_for(0, T, grain((heads + 2 * kv_heads) * D), [&](int64_t t0, int64_t t1) {
+      rotary_kv_tokens_avx2(ptr<float>(qkv), ptr<float>(cos), ptr<float>(sin), ptr<float>(q), ptr<float>(k_store),
+                            ptr<float>(v_store), sp, pp, t0, t1, heads, kv_heads, D, max_len, qn, kn,
+                            static_cast<float>(eps));
+    });
+    return q;
+  }
   by_dtype(dtype, [&](auto zero) {
     using U = decltype(zero);
     const U* qn = has_qn ? ptr<U>(*q_norm) : nullptr;

@@ -107,6 +107,43 @@ MINISERVE_TARGET inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// AVX2 (fp32 only): 8 lanes, masks as vectors of all-ones lanes (maskload never touches a masked
+// element, as AVX-512's masked loads)
+MINISERVE_TARGET_AVX2 inline __m256i lanes8(int64_t n) {
+  const int c = n >= 8 ? 8 : n <= 0 ? 0 : static_cast<int>(n);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+MINISERVE_TARGET_AVX2 inline __m256 load8(const float* p, __m256i m) { return _mm256_maskload_ps(p, m); }
+MINISERVE_TARGET_AVX2 inline void store8(float* p, __m256 v, __m256i m) { _mm256_maskstore_ps(p, m, v); }
+MINISERVE_TARGET_AVX2 inline float reduce_add8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// exp16's e^x in 8 lanes; AVX2 has no scalef, so 2^n is built in the exponent field in two halves
+// (n ranges over [-150, 128]: one half would leave the normal range), giving 0 and inf where exp16 does
+MINISERVE_TARGET_AVX2 inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), _mm256_set1_ps(89.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 pow1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 pow2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, pow1), pow2);
+}
+
 }  // namespace miniserve_simd
 
 #endif
