@@ -184,7 +184,11 @@ def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tmp_path):
     on = data["measured_on"]  # where it was measured, as a GPU profile would say it
     assert on["device"] == "cpu" and on["device_name"] == on["cpu"] and on["torch"] == torch.__version__
     assert on["cpu_features"] == sorted(cpu_features())
-    assert on["kernels"] == {k: "avx512" in cpu_features() and kernels.enabled() for k in on["kernels"]}
+    runs = {k: kernels.enabled() and kernels.can_run(k, torch.float32) for k in on["kernels"]}
+    # the fused ops run wherever they can; the gemv and the attention kernel where the dispatch
+    # table measured them faster (never where they cannot run)
+    assert all(on["kernels"][k] == runs[k] for k in ("layer_ops", "argmax"))
+    assert all(runs[k] or not on["kernels"][k] for k in ("gemv", "decode_attention"))
     assert set(on["kernels"]) == {"gemv", "decode_attention", "layer_ops", "argmax"}
     assert data["grid"]["calls"] == len(build_grid(GRID_SPECS["quick"]))
     kinds = [m["kind"] for m in data["measurements"]]
