@@ -94,7 +94,7 @@ def test_the_raw_ops_obey_the_features_the_engine_allows():
         torch.ops.miniserve.allow_cpu_features("avx2" in FEATURES, "avx512" in FEATURES, False)
         assert not torch.ops.miniserve.gemv_supported(torch.bfloat16)
         assert torch.ops.miniserve.gemv_supported(torch.float32)
-        torch.ops.miniserve.allow_cpu_features(True, False, False)  # AVX2 only: the fp32 gemv alone
+        torch.ops.miniserve.allow_cpu_features(True, False, False)  # AVX2 only: the fp32 gemv and layer ops
         assert torch.ops.miniserve.gemv_supported(torch.float32)
         assert not torch.ops.miniserve.argmax_supported(torch.float32)
         torch.ops.miniserve.allow_cpu_features(False, False, False)
@@ -308,10 +308,10 @@ def test_bf16_attention_with_and_without_bf16_dot_products(d):
     outs = {}
     try:
         for dot_products in (True, False):
-            torch.ops.miniserve.allow_cpu_features(True, dot_products)
+            torch.ops.miniserve.allow_cpu_features(True, True, dot_products)
             outs[dot_products] = op(q, k_store, v_store, slots, lens, d ** -0.5)
     finally:
-        torch.ops.miniserve.allow_cpu_features("avx512" in FEATURES, "avx512_bf16" in FEATURES)
+        allow_the_engines_features()
     group = heads // kv_heads
     for r, (s, n) in enumerate(zip(slots.tolist(), lens.tolist())):
         qr = q[r].double().view(kv_heads, group, d)
@@ -403,6 +403,7 @@ def test_fused_layer_ops_round_where_the_stock_ops_round(dtype, t, n, heads, d, 
 @given(t=st.integers(1, 20), n=st.integers(1, 70), heads=st.sampled_from([(4, 2), (14, 2), (2, 2)]),
        d=st.sampled_from([2, 16, 34, 64]), seed=st.integers(0, 2**16))
 def test_the_avx2_layer_ops_round_where_the_stock_ops_round(t, n, heads, d, seed):
+    kernels.layer_ops(torch.float32)  # built and registered before its features are switched
     try:
         torch.ops.miniserve.allow_cpu_features(True, False, False)  # as an AVX2-only CPU
         check_fused_against_stock(torch.float32, t, n, heads, d, seed)

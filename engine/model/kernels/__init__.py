@@ -23,7 +23,7 @@ absent to the raw ops too.
 The build (~10 s with g++ and ninja) is cached by torch.utils.cpp_extension under
 ``$TORCH_EXTENSIONS_DIR`` (default ~/.cache/torch_extensions) and redone only when a source or
 the build command changes; concurrent processes wait on a lock file there. A CPU without AVX2
-skips the build (one with AVX2 but no AVX-512 runs only the fp32 gemv); a machine without a compiler gets a warning. Either way the engine runs, on
+skips the build (one with AVX2 but no AVX-512 runs only the fp32 gemv and layer ops); a machine without a compiler gets a warning. Either way the engine runs, on
 torch's own kernels.
 """
 

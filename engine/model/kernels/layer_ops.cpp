@@ -313,7 +313,7 @@ at::Tensor add_rms_norm(const at::Tensor& h, const std::optional<at::Tensor>& de
               op, "weight must be a contiguous (", n, ",) tensor of h's dtype");
   at::Tensor x = at::empty_like(h);
 #ifdef MINISERVE_X86
-  if (!cpu_has_avx512()) {  // AVX2, fp32
+  if (h.scalar_type() == at::kFloat && !cpu_has_avx512()) {  // AVX2, fp32
     float *hp = ptr<float>(h), *xp = ptr<float>(x);
     const float* dp = has_delta ? ptr<float>(*delta) : nullptr;
     at::parallel_for(0, rows, grain(n), [&](int64_t r0, int64_t r1) {
@@ -340,7 +340,7 @@ at::Tensor silu_mul(const at::Tensor& gu, int64_t inter) {
   const int64_t rows = gu.size(0);
   at::Tensor out = at::empty({rows, inter}, gu.options());
 #ifdef MINISERVE_X86
-  if (!cpu_has_avx512()) {  // AVX2, fp32
+  if (gu.scalar_type() == at::kFloat && !cpu_has_avx512()) {  // AVX2, fp32
     at::parallel_for(0, rows, grain(inter), [&](int64_t r0, int64_t r1) {
       silu_mul_rows_avx2(ptr<float>(gu), ptr<float>(out), r0, r1, inter);
     });
@@ -391,7 +391,7 @@ at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   }
   at::Tensor q = at::empty({T, heads, D}, qkv.options());
 #ifdef MINISERVE_X86
-  if (!cpu_has_avx512()) {  // AVX2, fp32
+  if (dtype == at::kFloat && !cpu_has_avx512()) {  // AVX2, fp32
     const float* qn = has_qn ? ptr<float>(*q_norm) : nullptr;
     const float* kn = has_kn ? ptr<float>(*k_norm) : nullptr;
     at::parallel_for(0, T, grain((heads + 2 * kv_heads) * D), [&](int64_t t0, int64_t t1) {
