@@ -67,7 +67,8 @@ struct Prefetch {
 };
 constexpr int64_t kStepBytes = 128;
 
-MINISERVE_TARGET inline void prefetch_step(const char* p) {
+// SSE's prefetch: every x86-64 CPU has it, so both the AVX-512 and the AVX2 loops inline it
+inline void prefetch_step(const char* p) {
   _mm_prefetch(p, _MM_HINT_T0);
   _mm_prefetch(p + 64, _MM_HINT_T0);
 }
@@ -132,16 +133,11 @@ MINISERVE_TARGET_AVX2 inline void rows_f32_avx2(const float* x, int64_t K, const
     int64_t run_end = k1;
     if (Spread && pf && pf->next < pf->end) {
       run_end = std::min(k1, k + pf->every);
-      _mm_prefetch(pf->next, _MM_HINT_T0);
-      _mm_prefetch(pf->next + 64, _MM_HINT_T0);
+      prefetch_step(pf->next);
       pf->next += kStepBytes;
     }
     for (; k < run_end; ++k) {
-      if (!Spread && pf && pf->ahead) {
-        const char* ahead = reinterpret_cast<const char*>(w + (k + pf->ahead) * kPanel);
-        _mm_prefetch(ahead, _MM_HINT_T0);
-        _mm_prefetch(ahead + 64, _MM_HINT_T0);
-      }
+      if (!Spread && pf && pf->ahead) prefetch_step(reinterpret_cast<const char*>(w + (k + pf->ahead) * kPanel));
       __m256 wv[H];
 #pragma GCC unroll 4
       for (int j = 0; j < H; ++j) wv[j] = _mm256_loadu_ps(w + k * kPanel + col + 8 * j);
@@ -245,7 +241,7 @@ MINISERVE_TARGET void finish_panel(const float* part, int64_t rows, const T* bia
   }
 }
 
-// finish_panel in AVX2 (fp32): the last panel's columns past N are left unwritten one by one
+// finish_panel in AVX2 (fp32): 8 outputs at a time, a ragged last panel's tail one by one
 MINISERVE_TARGET_AVX2 void finish_panel_avx2(const float* part, int64_t rows, const float* bias, float* y, int64_t p,
                                              int64_t N) {
   const int64_t n0 = p * kPanel, n = std::min<int64_t>(kPanel, N - n0);
