@@ -32,8 +32,8 @@ class ItlSketch:
     """Streaming inter-token latencies: exact count, mean and std; percentiles from log bins.
 
     Gaps are buffered as typed arrays and binned FLUSH_AT at a time: single weighted gaps, unit
-    gaps (a request's own), and runs of step end times whose consecutive differences are the gaps
-    (decode steps that ran at once: the differences are taken in numpy, not one by one)."""
+    gaps (a request's own), and arithmetic series (the steps of a run of decodes advanced at once,
+    stored as four numbers and spelt out in numpy when binned)."""
 
     def __init__(self) -> None:
         nbins = (HIGH_DECADE - LOW_DECADE) * BINS_PER_DECADE
@@ -44,9 +44,10 @@ class ItlSketch:
         self._gaps = array("d")  # weighted by _weights
         self._weights = array("q")
         self._unit_gaps = array("d")  # weight 1
-        self._ends = array("d")  # runs of step end times, one after another
-        self._run_lengths: list[int] = []
-        self._run_counts: list[int] = []
+        self._series_first = array("d")  # series: first gap, increment, length, weight
+        self._series_step = array("d")
+        self._series_num = array("q")
+        self._series_count = array("q")
         self._buffered = 0
 
     def add(self, gap_s: float, count: int = 1) -> None:
@@ -57,12 +58,14 @@ class ItlSketch:
         if self._buffered >= FLUSH_AT:
             self._flush()
 
-    def add_steps(self, ends_s: list[float], count: int) -> None:
-        """``count`` gaps between each two consecutive ``ends_s`` (a run of decode steps, ``count`` members)."""
-        self._ends.extend(ends_s)
-        self._run_lengths.append(len(ends_s))
-        self._run_counts.append(count)
-        self._buffered += len(ends_s)
+    def add_series(self, first_s: float, step_s: float, num: int, count: int) -> None:
+        """``num`` gaps ``first_s + i × step_s`` (i = 0 … num − 1), ``count`` of each (a run of
+        decode steps of ``count`` members, each step one context token per member longer)."""
+        self._series_first.append(first_s)
+        self._series_step.append(step_s)
+        self._series_num.append(num)
+        self._series_count.append(count)
+        self._buffered += num
         if self._buffered >= FLUSH_AT:
             self._flush()
 
@@ -73,41 +76,56 @@ class ItlSketch:
         if self._buffered >= FLUSH_AT:
             self._flush()
 
-    def _buffered_gaps(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every buffered gap and its weight; the buffers start again empty."""
-        parts = [(np.frombuffer(self._gaps, dtype=np.float64), np.frombuffer(self._weights, dtype=np.int64)),
-                 (np.frombuffer(self._unit_gaps, dtype=np.float64), np.ones(len(self._unit_gaps), dtype=np.int64))]
-        if self._run_lengths:
-            ends = np.frombuffer(self._ends, dtype=np.float64)
-            lengths = np.asarray(self._run_lengths, dtype=np.int64)
-            weights = np.repeat(np.asarray(self._run_counts, dtype=np.int64), lengths)[1:]
-            weights[np.cumsum(lengths)[:-1] - 1] = 0  # the difference across two runs is no gap
-            parts.append((np.diff(ends), weights))
-        self._gaps, self._weights, self._unit_gaps, self._ends = array("d"), array("q"), array("d"), array("d")
-        self._run_lengths, self._run_counts, self._buffered = [], [], 0
-        return np.concatenate([g for g, _ in parts]), np.concatenate([w for _, w in parts])
+    def _bins(self, gaps: np.ndarray) -> np.ndarray:
+        """Each gap's bin: [0] for zero (and underflow), log bins, [-1] for overflow."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            idx = np.floor((np.log10(gaps) - LOW_DECADE) * BINS_PER_DECADE)
+        idx = np.where(gaps > 0, np.clip(idx + 1, 0, len(self.counts) - 1), 0)
+        return idx.astype(np.int64)
 
     def _flush(self) -> None:
+        """Bin the buffered gaps and merge their count, mean and M2 (Chan et al.). A series counts
+        in closed form (an arithmetic series' mean and spread) and, when its first and last gap
+        share a bin (most: a step adds a few context tokens' cost), into that bin whole; the
+        others are spelt out."""
         if not self._buffered:
             return
-        gaps, weights = self._buffered_gaps()
+        gaps = np.concatenate([np.frombuffer(self._gaps, dtype=np.float64), np.frombuffer(self._unit_gaps, dtype=np.float64)])
+        weights = np.concatenate([np.frombuffer(self._weights, dtype=np.int64), np.ones(len(self._unit_gaps), dtype=np.int64)])
+        first, step = _numpy(self._series_first), _numpy(self._series_step)
+        num, count = _numpy(self._series_num), _numpy(self._series_count)
+        self._gaps, self._weights, self._unit_gaps = array("d"), array("q"), array("d")
+        self._series_first, self._series_step = array("d"), array("d")
+        self._series_num, self._series_count = array("q"), array("q")
+        self._buffered = 0
         keep = weights > 0
         gaps, weights = gaps[keep], weights[keep]
-        n = int(weights.sum())
+        m = num.astype(np.float64)
+        series_weight = m * count
+        series_mean = first + step * (m - 1) / 2
+        series_m2 = count * step * step * (m * m * m - m) / 12
+        n = int(weights.sum()) + int(series_weight.sum())
         if n == 0:
             return
-        # merge count/mean/M2 (Chan et al.), then histogram
-        mean = float((gaps * weights).sum() / n)
-        m2 = float((weights * (gaps - mean) ** 2).sum())
+        mean = float(((gaps * weights).sum() + (series_weight * series_mean).sum()) / n)
+        m2 = float((weights * (gaps - mean) ** 2).sum() + (series_m2 + series_weight * (series_mean - mean) ** 2).sum())
         total = self.n + n
         delta = mean - self.mean
         self.mean += delta * n / total
         self.m2 += m2 + delta * delta * self.n * n / total
         self.n = total
-        with np.errstate(divide="ignore"):
-            idx = np.floor((np.log10(gaps) - LOW_DECADE) * BINS_PER_DECADE).astype(np.int64) + 1
-        idx = np.clip(np.where(gaps > 0, idx, 0), 0, len(self.counts) - 1)
-        self.counts += np.bincount(idx, weights=weights, minlength=len(self.counts)).astype(np.int64)
+        nbins = len(self.counts)
+        lo, hi = self._bins(first), self._bins(first + step * (m - 1))
+        whole = lo == hi
+        self.counts += np.bincount(lo[whole], weights=series_weight[whole], minlength=nbins).astype(np.int64)
+        spread = ~whole
+        if spread.any():
+            lengths = num[spread]
+            series = np.repeat(np.arange(len(lengths)), lengths)
+            index = np.arange(len(series)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            gaps = np.concatenate([gaps, first[spread][series] + step[spread][series] * index])
+            weights = np.concatenate([weights, count[spread][series]])
+        self.counts += np.bincount(self._bins(gaps), weights=weights, minlength=nbins).astype(np.int64)
 
     def _value(self, rank: int) -> float:
         """The rank-th smallest gap (0-based), as the geometric middle of its bin."""
@@ -173,7 +191,7 @@ class RequestLog:
         self.first_token.append(times[0] if times else math.nan)
         self.finish.append(times[-1] if times else math.nan)
         self.prompt.append(request.num_prompt_tokens)
-        self.output.append(len(times))
+        self.output.append(request.num_output_tokens)  # compact: times holds each lane stay's ends only
         self.preemptions.append(request.num_preemptions)
         self.cached.append(request.num_cached_tokens)
         self.lookups.append(request.num_lookup_tokens)

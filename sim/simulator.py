@@ -95,7 +95,7 @@ class Replica:
         self.env = env
         self.executor = executor
         self.sim = sim
-        self.core = EngineCore(config)
+        self.core = EngineCore(config, keep_token_times=sim.log.keep_token_times)
         self.closed = False  # no more deliveries will come
         self._wakeup: Event | None = None
         self.num_steps = 0

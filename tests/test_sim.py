@@ -319,21 +319,90 @@ def test_running_repeated_decode_steps_at_once_changes_no_token_time(name, seqs,
     assert runs[0][3] == pytest.approx(runs[1][3], rel=1e-12, abs=1e-15)
 
 
-def test_itl_sketch_counts_the_gaps_inside_runs_of_steps_never_across_them():
+def _decoding(request_id: str, seq: int, t0: float) -> Request:
+    """A request whose prompt is computed and first token out at ``t0``: ready to join a lane."""
+    request = Request(request_id, range(4), 10**6)
+    request.admit_seq, request.num_computed_tokens = seq, 4
+    request.append_output(None, t0)
+    return request
+
+
+def _script_a_lane(keep_times: bool, rounds: int):
+    """Drive a lane by hand: single advances and runs advanced at once; one member from the start
+    to two thirds, another from a third to the end. Returns the lane, both members (left), every
+    advance's end (by clock) and the young member's join clock."""
+    from engine.core.lane import DecodeLane
+    from engine.core.block_pool import KVBlockPool
+    lane = DecodeLane(block_size=10**9, keep_times=keep_times)  # blocks never fill
+    pool = KVBlockPool(4, 10**9)
+    old, young = _decoding("old", 1, 0.0), _decoding("young", 2, 0.0)
+    lane.join(old, 1)
+    ends: list[float] = []
+    t = 0.0
+    joined = left = 0
+    for i in range(rounds):
+        t += 1.0
+        lane.advance(t)
+        ends.append(t)
+        if i % 3 == 2:  # a run of three steps (until_s cuts it), each a little longer
+            n, context = len(lane.members), lane.context_sum()
+            steps, finished, _ = lane.advance_run(t + 0.5, 0.01, 0.2, 1e-7, 0.03, math.inf, t + 1.3, pool)
+            assert not finished
+            start = t + 0.5
+            for j in range(steps):  # the run's own arithmetic
+                end = start + 0.01 + (0.2 + 1e-7 * (context + j * n))
+                ends.append(end)
+                start = end + 0.03
+            assert steps == 3 and lane.last_end == ends[-1]
+            t = ends[-1]
+        if i == rounds // 3:
+            joined = lane.clock
+            young._times[:] = [t]
+            lane.join(young, 1)
+        if i == 2 * rounds // 3:
+            left = lane.clock
+            lane.leave(old)
+    lane.leave(young)
+    return lane, old, young, ends, joined, left
+
+
+@pytest.mark.parametrize("rounds", [30, 7_500])  # the second crosses lane.COMPACT_EVERY stored times
+def test_a_lane_keeps_runs_of_steps_not_their_times_and_gives_back_each_token_time(rounds):
+    lane, old, young, ends, joined, left = _script_a_lane(True, rounds)
+    assert old.token_times_s == pytest.approx([0.0] + ends[:left], rel=1e-15)
+    assert young.token_times_s == pytest.approx([ends[joined - 1]] + ends[joined:], rel=1e-15)
+    assert old.num_output_tokens == 1 + left and young.num_output_tokens == 1 + len(ends) - joined
+    if rounds > 30:  # compacted once the old member left: what only it had read is gone
+        assert 0 < lane._run_clocks[0] <= joined
+        assert lane._stored == sum(len(run.ends) if run.ends is not None else 1 for run in lane._runs)
+    # compact records: each stay writes back its first and last time; the gaps outside lane steps are the same
+    _, c_old, c_young, _, _, _ = _script_a_lane(False, rounds)
+    assert c_old.token_times_s == pytest.approx([0.0, ends[0], ends[left - 1]], rel=1e-15)
+    assert c_young.token_times_s == pytest.approx([ends[joined - 1], ends[joined], ends[-1]], rel=1e-15)
+    for full, compact in ((old, c_old), (young, c_young)):
+        assert compact.num_output_tokens == full.num_output_tokens
+        assert compact.gaps_outside_lane_steps() == pytest.approx(full.gaps_outside_lane_steps(), rel=1e-12)
+
+
+def test_itl_sketch_counts_series_of_gaps_and_single_ones():
     import numpy as np
 
     from sim.records import FLUSH_AT, ItlSketch
     sketch = ItlSketch()
-    sketch.add_steps([0.0, 1.0, 3.0], 2)  # gaps 1 and 2, two requests each
+    sketch.add_series(1.0, 1.0, 2, 2)  # gaps 1 and 2, two requests each
     sketch.add(5.0, 3)
-    sketch.add_steps([10.0, 10.5], 1)  # 3.0 → 10.0 is no gap: two runs
+    sketch.add_series(0.5, 0.0, 1, 1)
     sketch.add_gaps([0.25])
-    long_run = np.cumsum(np.full(FLUSH_AT + 10, 0.125)).tolist()  # flushes in the middle of the buffers
-    sketch.add_steps(long_run, 4)
-    expected = np.repeat([1.0, 2.0, 5.0, 0.5, 0.25, 0.125], [2, 2, 3, 1, 1, 4 * (FLUSH_AT + 9)])
+    sketch.add_series(0.3, 1e-9, 1000, 2)  # in one bin: counted there whole
+    sketch.add_series(0.125, 1e-6, FLUSH_AT + 10, 4)  # across bins, and flushes in the middle of the buffers
+    narrow, long_series = 0.3 + 1e-9 * np.arange(1000), 0.125 + 1e-6 * np.arange(FLUSH_AT + 10)
+    expected = np.concatenate([np.repeat([1.0, 2.0, 5.0, 0.5, 0.25], [2, 2, 3, 1, 1]), np.repeat(narrow, 2),
+                               np.repeat(long_series, 4)])
     got = sketch.distribution()
     assert sketch.n == len(expected)
     assert got["mean"] == pytest.approx(expected.mean(), rel=1e-12)
     assert got["std"] == pytest.approx(expected.std(), rel=1e-9)
     for p in (50, 90, 99):
         assert got[f"p{p}"] == pytest.approx(np.percentile(expected, p), rel=3e-3)
+
+

@@ -57,10 +57,10 @@ class EngineCore:
     """
 
     def __init__(self, config: SchedulerConfig, scheduler: Scheduler | None = None,
-                 repeat_decode_steps: bool = True) -> None:
+                 repeat_decode_steps: bool = True, keep_token_times: bool = True) -> None:
         self.config = config
         self.scheduler = scheduler or make_scheduler(config)
-        self.state = ServingState(config)
+        self.state = ServingState(config, keep_token_times)  # False: a simulator's compact records
         self.arrivals = ArrivalQueue(())
         # repeat a decodes-only step without scheduling while nothing changed (Scheduler.decode_steps_repeat)
         self.repeat_decode_steps = repeat_decode_steps and self.scheduler.decode_steps_repeat

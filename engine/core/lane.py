@@ -6,35 +6,94 @@ that decodes every member updates the state in O(1) instead of once per member, 
 ahead of time which members finish (by length) and which need a new KV block at which step.
 That is what lets the simulator replay millions of requests; the real engine runs the same
 code, so both see identical plans. A member leaves (its progress written back) when it
-finishes, is preempted or aborted, or when a step does not decode every member.
+finishes, is preempted or aborted, or when a step does not decode every member. A simulator's
+run of such steps (``advance_run``) stores its cost terms, not one end time per step: its cost is
+the run's block grants and finishes, not its length.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right, insort
 from heapq import heappop, heappush
 from collections.abc import Callable
 from operator import attrgetter
 
+from engine.core.block_pool import KVBlockPool
 from engine.core.request import Request
 
 BY_ADMISSION = attrgetter("admit_seq")  # running order
 
-COMPACT_EVERY = 1 << 16  # steps between dropping token times no member needs any more
+COMPACT_EVERY = 1 << 12  # end times listed or runs stored between dropping those no member needs
+
+
+class TimesRun:
+    """End times of consecutive advances of the lane from clock ``clock`` on: listed as they
+    come (steps applied one by one), or, for a run of steps advanced at once
+    (``DecodeLane.advance_run``), recomputed on demand from the run's cost terms in the run's own
+    arithmetic, so a run stores O(1) whatever its length and gives the same floats."""
+
+    def __init__(self, clock: int, ends: list[float] | None, count: int, first_end: float, last_end: float,
+                 start_s: float = 0.0, before_s: float = 0.0, step_s: float = 0.0, per_context_s: float = 0.0,
+                 overhead_s: float = 0.0, context: int = 0, n: int = 0) -> None:
+        self.clock = clock
+        self.ends = ends  # None: computed
+        self.count = count
+        self.first_end = first_end
+        self.last_end = last_end
+        self.start_s = start_s
+        self.before_s = before_s
+        self.step_s = step_s
+        self.per_context_s = per_context_s
+        self.overhead_s = overhead_s
+        self.context = context
+        self.n = n
+
+    def end(self, i: int) -> float:
+        """The end of its ``i``-th advance (0-based)."""
+        ends = self.ends
+        if ends is not None:
+            return ends[i]
+        if i == 0:
+            return self.first_end
+        if i == self.count - 1:
+            return self.last_end
+        return self.ends_from(i, i + 1)[0]
+
+    def ends_from(self, i: int, stop: int = -1) -> list[float]:
+        """End times of its advances ``i`` up to ``stop`` (default: all)."""
+        stop = self.count if stop < 0 else stop
+        ends = self.ends
+        if ends is not None:
+            return ends[i:stop]
+        before_s, step_s, per_context_s, overhead_s = self.before_s, self.step_s, self.per_context_s, self.overhead_s
+        context, n = self.context, self.n
+        out: list[float] = []
+        start = self.start_s
+        for j in range(stop):  # DecodeLane.advance_run's arithmetic, step by step
+            end = start + before_s + (step_s + per_context_s * (context + j * n))
+            if j >= i:
+                out.append(end)
+            start = end + overhead_s
+        return out
 
 
 class DecodeLane:
     """Members in running order (admission order), with calendars of their next events."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, keep_times: bool = True) -> None:
         self.block_size = block_size
+        # False (a simulator's compact records): a member's stay writes back its first and last
+        # token times only, which is all those records read (Request.gaps_outside_lane_steps)
+        self.keep_times = keep_times
         self.clock = 0  # steps advanced so far
         self.members: list[Request] = []
         self._ids: list[str] = []
         self._offsets: list[int] = []  # computed tokens minus the clock
         self._offset_sum = 0
-        self._times: list[float] = []  # end time of each advance; index = clock - _times_base - 1
-        self._times_base = 0
+        self._runs: list[TimesRun] = []  # the end time of every advance: clocks _runs[0].clock + 1 ... clock
+        self._run_clocks: list[int] = []  # each run's clock, to bisect
+        self._stored = 0  # end times listed plus computed runs: what compaction bounds
+        self._last_end = 0.0  # the last advance's end
         self._finish_at: dict[int, list[Request]] = {}  # clock at which a member reaches max_tokens
         self._finish_clocks: list[int] = []  # heap of _finish_at's keys (and some since removed)
         self._block_at: dict[int, list[str]] = {}  # clock at which members (by id) have filled their blocks
@@ -49,7 +108,23 @@ class DecodeLane:
 
     def times_since(self, joined: int) -> list[float]:
         """End times of the advances after clock ``joined``."""
-        return self._times[joined - self._times_base:]
+        if joined >= self.clock:
+            return []
+        runs = self._runs
+        r = bisect_right(self._run_clocks, joined) - 1
+        ends = runs[r].ends_from(joined - runs[r].clock)
+        for i in range(r + 1, len(runs)):
+            ends += runs[i].ends_from(0)
+        return ends
+
+    def _end_at(self, clock: int) -> float:
+        """The end of the advance that took the lane to ``clock``."""
+        run = self._runs[bisect_right(self._run_clocks, clock - 1) - 1]
+        return run.end(clock - 1 - run.clock)
+
+    @property
+    def last_end(self) -> float:
+        return self._last_end
 
     # --- membership ---------------------------------------------------------------------------
     def join(self, request: Request, held_blocks: int) -> None:
@@ -110,9 +185,15 @@ class DecodeLane:
         clock = self.clock
         request._computed += clock
         request._num_output += clock
-        if clock > request.lane_joined:
-            request.lane_runs.append((len(request._times), clock - request.lane_joined))
-            request._times += self.times_since(request.lane_joined)
+        joined = request.lane_joined
+        if clock > joined:
+            if self.keep_times:
+                stay = self.times_since(joined)
+            else:
+                first = self._end_at(joined + 1)
+                stay = [first] if clock == joined + 1 else [first, self._last_end]
+            request.lane_runs.append((len(request._times), len(stay)))
+            request._times += stay
         request.lane = None
 
     @staticmethod
@@ -133,12 +214,24 @@ class DecodeLane:
 
     def got_block(self) -> None:
         """Every member in needing_block() got its block: the next need is a block later."""
-        filed = self._block_at.pop(self.clock, None)
+        filed = self._block_at.get(self.clock)
         if filed:
-            due = self.clock + self.block_size
-            self._block_at.setdefault(due, []).extend(filed)
-            for request_id in filed:
-                self._block_due[request_id] = due
+            self._refile(self.clock, filed)
+
+    def _refile(self, at: int, filed: list[str]) -> int:
+        """The members ``filed`` at clock ``at`` got their blocks: they need the next a block later
+        (returned)."""
+        block_at = self._block_at
+        del block_at[at]
+        due = at + self.block_size
+        later = block_at.get(due)
+        if later is None:
+            block_at[due] = filed
+        else:
+            later.extend(filed)
+        for request_id in filed:
+            self._block_due[request_id] = due
+        return due
 
     def context_sum(self) -> int:
         """Σ contexts of a step that decodes every member (what decode attention reads)."""
@@ -166,42 +259,94 @@ class DecodeLane:
     def advance(self, end_s: float) -> list[Request]:
         """Every member got one token at ``end_s``; returns those that reached max_tokens (still
         members: the caller finishes them)."""
-        return self.advance_many([end_s])[0]
+        n = len(self.members)
+        continuing = n - self._num_joined_now
+        self.last_gap_s, self.last_continuing = (end_s - self._last_end if continuing else 0.0), continuing
+        runs = self._runs
+        last = runs[-1] if runs else None
+        listed = last.ends if last is not None else None
+        if last is not None and listed is not None:
+            listed.append(end_s)
+            last.count += 1
+            last.last_end = end_s
+            self._stored += 1
+        else:
+            self._add_run(TimesRun(self.clock, [end_s], 1, end_s, end_s))
+        return self._advanced(1, end_s)
 
-    def run_ends(self, start_s: float, before_s: float, step_s: float, per_context_s: float, overhead_s: float,
-                 arrival_s: float, until_s: float, grant: Callable[[list[str]], bool]) -> list[float]:
-        """End times of the steps that decode every member from ``start_s`` on, each taking
-        ``before_s``, a call of ``step_s + per_context_s × Σ context``, then ``overhead_s``: those that start before
-        ``arrival_s``, are over before ``until_s``, whose block needs ``grant`` meets (given the
-        ids needing one), up to the
-        first in which a member finishes. Blocks granted are filed as got_block would; nothing
-        else changes until ``advance_many(ends)``."""
+    def advance_run(self, start_s: float, before_s: float, step_s: float, per_context_s: float, overhead_s: float,
+                    arrival_s: float, until_s: float, pool: KVBlockPool
+                    ) -> tuple[int, list[Request], tuple[float, int]]:
+        """Advance at once the steps that decode every member from ``start_s`` on, each taking
+        ``before_s``, a call of ``step_s + per_context_s × Σ context``, then ``overhead_s``: those
+        that start before ``arrival_s``, are over before ``until_s`` and whose block needs
+        ``pool`` meets, up to the first in which a member finishes.
+        Stores the run, not its end times (TimesRun recomputes them), so what it costs is a few
+        floating-point operations per step plus the block grants. Returns (steps, those that
+        finished, the first step's (gap, continuing members)); no steps: nothing changed."""
         n = len(self.members)
         context = self._offset_sum + n * self.clock
-        block_at, block_due, block_size = self._block_at, self._block_due, self.block_size
-        ends: list[float] = []
+        steps = self._run_length(start_s, before_s, step_s, per_context_s, overhead_s, context, n, arrival_s, until_s,
+                                 self.steps_to_finish())
+        if steps and self._block_at:
+            steps = self._grant_blocks(steps, pool)
+        first_end = last_end = previous_end = 0.0
         start = start_s
-        at = self.clock
-        for j in range(self.steps_to_finish()):
+        for j in range(steps):
+            end = start + before_s + (step_s + per_context_s * (context + j * n))  # TimesRun.ends_from's
+            if j == 0:
+                first_end = end
+            previous_end, last_end = last_end, end
+            start = end + overhead_s
+        if not steps:
+            return 0, [], (0.0, 0)
+        continuing = n - self._num_joined_now
+        first_gap = (first_end - self._last_end if continuing else 0.0, continuing)
+        if steps > 1:
+            self.last_gap_s, self.last_continuing = last_end - previous_end, n
+        else:
+            self.last_gap_s, self.last_continuing = first_gap
+        self._add_run(TimesRun(self.clock, None, steps, first_end, last_end, start_s, before_s, step_s, per_context_s,
+                               overhead_s, context, n))
+        return steps, self._advanced(steps, last_end), first_gap
+
+    @staticmethod
+    def _run_length(start_s: float, before_s: float, step_s: float, per_context_s: float, overhead_s: float,
+                    context: int, n: int, arrival_s: float, until_s: float, limit: int) -> int:
+        """How many of the next ``limit`` steps start before ``arrival_s`` and are over before ``until_s``."""
+        start = start_s
+        for j in range(limit):
             if start >= arrival_s:
-                break
-            end = start + before_s + (step_s + per_context_s * (context + j * n))
-            ready = end + overhead_s
-            if ready >= until_s:
-                break
+                return j
+            start = start + before_s + (step_s + per_context_s * (context + j * n)) + overhead_s
+            if start >= until_s:
+                return j
+        return limit
+
+    def _grant_blocks(self, steps: int, pool: KVBlockPool) -> int:
+        """Grant, in clock order, the blocks the members need along the next ``steps`` steps, as
+        stepping would (got_block's filing); returns how many steps got theirs (up to the first
+        need refused)."""
+        block_at = self._block_at
+        clock = self.clock
+        stop = clock + steps
+        if steps <= len(block_at):
+            pending = [at for at in range(clock, stop) if at in block_at]
+        else:
+            pending = sorted([at for at in block_at if clock <= at < stop])
+        i = 0
+        while i < len(pending):
+            at = pending[i]
+            i += 1
             needing = block_at.get(at)
-            if needing:
-                if not grant(needing):
-                    break
-                del block_at[at]
-                due = at + block_size
-                block_at.setdefault(due, []).extend(needing)
-                for request_id in needing:
-                    block_due[request_id] = due
-            ends.append(end)
-            start = ready
-            at += 1
-        return ends
+            if needing is None:  # filed twice in pending, granted already
+                continue
+            if not pool.add_block_each(needing):
+                return at - clock
+            due = self._refile(at, needing)
+            if due < stop:
+                insort(pending, due, i)
+        return steps
 
     def steps_to_finish(self) -> int:
         """Steps until the first member reaches max_tokens (the step in which it does counts)."""
@@ -210,30 +355,43 @@ class DecodeLane:
             heappop(clocks)
         return clocks[0] - self.clock if clocks else 0
 
-    def advance_many(self, ends: list[float]) -> tuple[list[Request], tuple[float, int]]:
-        """``advance`` for each end time in turn, at once; no member may finish before the last
-        (``steps_to_finish``). Returns those that finished and the first step's (gap, continuing
-        members); ``last_gap_s``/``last_continuing`` are the last step's."""
-        n = len(self.members)
-        continuing = n - self._num_joined_now
-        first_gap = (ends[0] - self._times[-1] if continuing else 0.0, continuing)
-        if len(ends) > 1:
-            self.last_continuing, self.last_gap_s = n, ends[-1] - ends[-2]
-        else:
-            self.last_gap_s, self.last_continuing = first_gap
+    def _add_run(self, run: TimesRun) -> None:
+        self._runs.append(run)
+        self._run_clocks.append(run.clock)
+        self._stored += 1
+
+    def _advanced(self, steps: int, last_end: float) -> list[Request]:
+        """The clock moved ``steps`` on: the members that reached max_tokens, in running order."""
         self._num_joined_now = 0
         self._version += 1
-        self.clock += len(ends)
-        self._times += ends
-        if len(self._times) >= self._compact_at:
+        self.clock += steps
+        self._last_end = last_end
+        if self._stored >= self._compact_at:
             self._compact()
         done = self._finish_at.get(self.clock)
-        return (sorted(done, key=BY_ADMISSION) if done else []), first_gap
+        return sorted(done, key=BY_ADMISSION) if done else []
 
     def _compact(self) -> None:
+        """Drop the end times of advances up to the oldest member's join: nobody reads them."""
         oldest = min((r.lane_joined for r in self.members), default=self.clock)
-        drop = oldest - self._times_base
-        if drop > 0:
-            del self._times[:drop]
-            self._times_base = oldest
-        self._compact_at = len(self._times) + COMPACT_EVERY
+        runs, clocks = self._runs, self._run_clocks
+        r = bisect_right(clocks, oldest) - 1  # the run holding the advance after `oldest`
+        dropped = 0
+        if r > 0:
+            dropped = sum([len(run.ends) if run.ends is not None else 1 for run in runs[:r]])
+            del runs[:r], clocks[:r]
+        if runs:
+            first = runs[0]
+            listed = first.ends
+            drop = oldest - first.clock
+            if listed is not None and drop > 0:
+                del listed[:drop]
+                dropped += drop
+                first.clock, first.count = oldest, len(listed)
+                clocks[0] = oldest
+                if listed:
+                    first.first_end = listed[0]
+                else:
+                    del runs[0], clocks[0]
+        self._stored -= dropped
+        self._compact_at = self._stored + COMPACT_EVERY

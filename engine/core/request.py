@@ -70,8 +70,9 @@ class Request:
     lane: DecodeLane | None = field(default=None, init=False, repr=False)
     lane_joined: int = field(default=0, init=False, repr=False)  # the lane's clock when it joined
     admit_seq: int = field(default=0, init=False, repr=False)  # running order: admission count
-    # (first index in token_times_s, count) of the tokens each stay in a lane gave: every gap
-    # inside a run but its first is one lane step (the simulator counts those per step)
+    # (first index in token_times_s, count) of the times each stay in a lane wrote back (all its
+    # tokens', or its first and last: DecodeLane.keep_times): every gap inside a stay but its
+    # first is one lane step (the simulator counts those per step)
     lane_runs: list[tuple[int, int]] = field(default_factory=list, init=False, repr=False)
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int, arrival_s: float = 0.0,
@@ -134,7 +135,8 @@ class Request:
 
     @property
     def token_times_s(self) -> list[float]:
-        """When each output token came out."""
+        """When each output token came out. In a simulator's compact run (``DecodeLane.keep_times``
+        off) a finished stay in the decode lane leaves its first and last only: what its records read."""
         lane = self.lane
         return self._times if lane is None else self._times + lane.times_since(self.lane_joined)
 

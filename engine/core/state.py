@@ -21,8 +21,9 @@ class GapSink(Protocol):
     def add(self, gap_s: float, count: int = 1) -> None:
         """``count`` gaps of ``gap_s``."""
 
-    def add_steps(self, ends_s: list[float], count: int) -> None:
-        """``count`` gaps between each two consecutive end times (steps that ran one after another)."""
+    def add_series(self, first_s: float, step_s: float, num: int, count: int) -> None:
+        """``num`` gaps ``first_s + i × step_s`` (i = 0 … num − 1), ``count`` of each: the steps
+        of a run advanced at once, each one context token per member longer than the one before."""
 
 
 class ServingState:
@@ -33,14 +34,14 @@ class ServingState:
     class touches the lane: schedulers ask for the decodes together or one by one.
     """
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, keep_token_times: bool = True) -> None:
         self.config = config
         self.kv = KVBlockPool(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
         self.requests: dict[str, Request] = {}  # every request not yet finished, by id
-        self.lane = DecodeLane(config.block_size)
+        self.lane = DecodeLane(config.block_size, keep_token_times)  # False: Request.token_times_s says what is kept
         self._num_admitted = 0
         self.released: list[str] = []  # ids whose KV the executor is yet to free (take_released)
         # prefix caching, over every admission: tokens looked up, found cached; requests with a hit
@@ -148,29 +149,30 @@ class ServingState:
         simulator's shortcut, see EngineCore.repeat_decodes): each takes ``before_s``, then a call
         of ``step_s + per_context_s × Σ context``, then ``overhead_s``. A step runs if it starts before ``arrival_s``, is
         over before ``until_s`` and gets its blocks; the run ends with the first step in which
-        requests finish. Returns (steps, last end, last ready, finished); ``gaps`` hears each
-        step's uniform gaps (``count`` requests each). The same arithmetic, in the same
-        order, as planning, executing and applying each step."""
-        lane, kv = self.lane, self.kv
+        requests finish. Returns (steps, last end, last ready, finished): the same token times,
+        in the same arithmetic and order, as planning, executing and applying each step.
+        ``gaps`` hears each step's uniform gaps (``count`` requests each), those inside the run
+        as one series (the cost model's gaps: the end times' differences up to rounding)."""
+        lane = self.lane
         n = len(lane.members)
         if not n:
             return 0, start_s, start_s, []
-        ends = lane.run_ends(start_s, before_s, step_s, per_context_s, overhead_s, arrival_s, until_s,
-                             kv.add_block_each)
-        if not ends:
+        context = lane.context_sum()
+        steps, finished, (gap, count) = lane.advance_run(start_s, before_s, step_s, per_context_s, overhead_s,
+                                                         arrival_s, until_s, self.kv)
+        if not steps:
             return 0, start_s, start_s, []
-        end = ends[-1]
-        ready = end + overhead_s
-        finished, (gap, count) = lane.advance_many(ends)
+        end = lane.last_end
         for request in finished:
             self.running.remove(request)
             self._finish(request, cast(RequestStatus, request.stop_reason()), end)  # reached max_tokens
         if gaps is not None:
             if count:
                 gaps.add(gap, count)
-            if len(ends) > 1:
-                gaps.add_steps(ends, n)
-        return len(ends), end, ready, finished
+            if steps > 1:  # step j's gap: its call and the overheads, at Σ context + j × n
+                gaps.add_series(overhead_s + before_s + (step_s + per_context_s * (context + n)), per_context_s * n,
+                                steps - 1, n)
+        return steps, end, end + overhead_s, finished
 
     def decode_one_by_one(self) -> None:
         """This step treats each decoding request on its own (a budget or block shortage)."""
