@@ -44,7 +44,7 @@ namespace {
 
 constexpr int64_t kPanel = 32;     // output columns per panel (engine/kernels/__init__.py PANEL)
 constexpr int64_t kBlockRows = 8;  // rows per register block: 2 accumulators per row, 16 of 32 registers
-constexpr int64_t kBlockRowsAvx2 = 6;  // AVX2's: 2 accumulators per row (a half panel), 12 of 16 registers
+constexpr int64_t kBlockRowsAvx2 = 6;  // AVX2's: two passes of 3 rows × a whole panel (12 of 16 registers)
 
 #ifdef MINISERVE_X86
 
@@ -108,11 +108,11 @@ MINISERVE_TARGET void panel_f32(const float* x, int64_t K, const float* w, int64
   }
 }
 
-// panel_f32 in AVX2's 16 256-bit registers. A k step of a panel is four vectors: up to two rows
-// take the whole panel at once (8 accumulators beside the 4 weight vectors: at one row, a decode,
-// the weights stream from memory once), more rows take it a half (16 outputs) at a time, six rows
-// per pass (12 accumulators, 2 weight vectors, 1 broadcast: 12 FMAs per 8 loads, where whole-panel
-// pairs did 8 per 6 and reached 0.85x oneDNN's time at 512 rows). M rows are taken over sub-blocks
+// panel_f32 in AVX2's 16 256-bit registers. A k step of a panel is four vectors, and rows take the
+// whole panel, three per pass (12 accumulators, the weight vectors, one broadcast: 12 FMAs per 3
+// broadcasts and 4 weight loads): measured faster at every row count from 3 than six rows × half a
+// panel (12 FMAs per 6 broadcasts and 2 loads), and four rows faster as 3 + 1 than as 2 + 2
+// (figures in docs/architecture.md). M rows are taken over sub-blocks
 // of kSubSteps k steps (16 KB of weights, held in L1 while every pass multiplies them), the
 // running sums going through `part` between sub-blocks as between k blocks: each output's sum
 // stays one FMA chain in k order, as in panel_f32. The first pass of each sub-block asks for what
@@ -155,14 +155,13 @@ MINISERVE_TARGET_AVX2 inline void rows_f32_avx2(const float* x, int64_t K, const
     for (int j = 0; j < H; ++j) _mm256_storeu_ps(part + r * kPanel + col + 8 * j, a[r][j]);
 }
 
-// M rows (M > 2) in passes of up to six, each a half panel at a time, over k steps [k0, k1)
+// M rows in passes of up to three, each the whole panel, over k steps [k0, k1)
 template <int M, bool Spread>
-MINISERVE_TARGET_AVX2 inline void halves_f32_avx2(const float* x, int64_t K, const float* w, int64_t k0, int64_t k1,
+MINISERVE_TARGET_AVX2 inline void passes_f32_avx2(const float* x, int64_t K, const float* w, int64_t k0, int64_t k1,
                                                   bool fresh, float* part, Prefetch* pf) {
-  constexpr int R = M > 6 ? 6 : M;
-  rows_f32_avx2<R, 2, Spread>(x, K, w, 0, k0, k1, fresh, part, pf);
-  rows_f32_avx2<R, 2, Spread>(x, K, w, 16, k0, k1, fresh, part, nullptr);
-  if constexpr (M > R) halves_f32_avx2<M - R, Spread>(x + R * K, K, w, k0, k1, fresh, part + R * kPanel, nullptr);
+  constexpr int R = M > 3 ? 3 : M;
+  rows_f32_avx2<R, 4, Spread>(x, K, w, 0, k0, k1, fresh, part, pf);
+  if constexpr (M > R) passes_f32_avx2<M - R, Spread>(x + R * K, K, w, k0, k1, fresh, part + R * kPanel, nullptr);
 }
 
 template <int M, bool Spread>
@@ -170,11 +169,7 @@ MINISERVE_TARGET_AVX2 void panel_f32_avx2(const float* x, int64_t K, const float
                                           float* part, Prefetch pf) {
   for (int64_t s0 = k0; s0 < k1; s0 += kSubSteps) {
     const int64_t s1 = std::min(k1, s0 + kSubSteps);
-    if constexpr (M <= 2) {
-      rows_f32_avx2<M, 4, Spread>(x, K, w, 0, s0, s1, s0 == 0, part, &pf);
-    } else {
-      halves_f32_avx2<M, Spread>(x, K, w, s0, s1, s0 == 0, part, &pf);
-    }
+    passes_f32_avx2<M, Spread>(x, K, w, s0, s1, s0 == 0, part, &pf);
   }
 }
 
