@@ -94,7 +94,7 @@ def test_the_raw_ops_obey_the_features_the_engine_allows():
         torch.ops.miniserve.allow_cpu_features("avx2" in FEATURES, "avx512" in FEATURES, False)
         assert not torch.ops.miniserve.gemv_supported(torch.bfloat16)
         assert torch.ops.miniserve.gemv_supported(torch.float32)
-        torch.ops.miniserve.allow_cpu_features(True, False, False)  # AVX2 only: the fp32 gemv and layer ops
+        torch.ops.miniserve.allow_cpu_features(True, False, False)  # AVX2 only: the fp32 gemv, layer ops and attention
         assert torch.ops.miniserve.gemv_supported(torch.float32)
         assert not torch.ops.miniserve.argmax_supported(torch.float32)
         torch.ops.miniserve.allow_cpu_features(False, False, False)
@@ -258,15 +258,19 @@ def test_the_engine_keeps_only_the_copies_its_choices_read(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_builds_wherever_the_cpu_can_run_it(dtype):
-    # bf16 keys and values are widened by hand: AVX-512 alone is enough
-    assert (kernels.decode_attention(dtype, 64) is not None) == HAS_AVX512
+    # bf16 keys and values are widened by hand: AVX-512 alone is enough; fp32 has an AVX2 form
+    runs = EXPECTED[torch.float32] if dtype == torch.float32 else HAS_AVX512
+    assert (kernels.decode_attention(dtype, 64) is not None) == runs
     assert (kernels.argmax_rows(dtype) is not None) == HAS_AVX512  # the same holds for argmax
     assert kernels.decode_attention(dtype, 80) is None  # head dims 16, 32, 64, 128 only: SDPA for others
 
 
-@needs("decode_attention", torch.float32, torch.bfloat16)
+ATTENTION_DTYPES = [d for d in (torch.float32, torch.bfloat16) if ON and kernels.can_run("decode_attention", d)]
+
+
+@needs("decode_attention", torch.float32)
 @settings(max_examples=60, deadline=None)
-@given(dtype=st.sampled_from([torch.float32, torch.bfloat16]), rows=st.integers(1, 6),
+@given(dtype=st.sampled_from(ATTENTION_DTYPES or [torch.float32]), rows=st.integers(1, 6),
        heads=st.sampled_from([(4, 2), (14, 2), (7, 7), (16, 8), (8, 1)]), d=st.sampled_from([16, 32, 64, 128]),
        data=st.data())
 def test_decode_attention_equals_exact_attention_over_each_requests_own_keys(dtype, rows, heads, d, data):
@@ -321,6 +325,35 @@ def test_bf16_attention_with_and_without_bf16_dot_products(d):
             assert ((out[r].double() - ref).abs() <= 1e-5 + 2 ** -8 * ref.abs()).all()
 
 
+@needs("decode_attention", torch.float32)
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+def test_fp32_attention_in_avx2_and_avx512_forms(d):
+    # the AVX2 form (8 lanes: blocks of 8 keys, 12 value accumulators) runs on AVX2-only CPUs and,
+    # switched to, on AVX-512 ones: exact attention up to rounding on a prefill chunk's rows (one
+    # slot, lengths 1..n, tails of every length) and on decodes beside it
+    g = torch.Generator().manual_seed(d)
+    heads, kv_heads, max_len, chunk = 14, 2, 80, 37
+    k_store, v_store = torch.randn(3, kv_heads, max_len, d, generator=g), torch.randn(3, kv_heads, max_len, d, generator=g)
+    slots = torch.tensor([0] * chunk + [1, 2])
+    lens = torch.tensor(list(range(1, chunk + 1)) + [max_len, 17])
+    q = torch.randn(len(slots), heads, d, generator=g)
+    op = kernels.decode_attention(torch.float32, d)
+    outs = {}
+    try:
+        for avx512 in ([False, True] if HAS_AVX512 else [False]):
+            torch.ops.miniserve.allow_cpu_features(True, avx512, False)
+            outs[avx512] = op(q, k_store, v_store, slots, lens, d ** -0.5)
+    finally:
+        allow_the_engines_features()
+    group = heads // kv_heads
+    for r, (s, n) in enumerate(zip(slots.tolist(), lens.tolist())):
+        qr = q[r].double().view(kv_heads, group, d)
+        p = torch.softmax(qr @ k_store[s, :, :n].double().transpose(1, 2) * d ** -0.5, dim=-1)
+        ref = (p @ v_store[s, :, :n].double()).reshape(heads, d)
+        for out in outs.values():
+            assert ((out[r].double() - ref).abs() <= 1e-5).all()
+
+
 def _attention_case(rows=2, heads=4, kv_heads=2, d=16, num_slots=8, max_len=10, **override):
     """Arguments of the raw op: q, keys, values, slots, lens, scale; any of them overridden."""
     store = (num_slots, kv_heads, max_len, d)
@@ -330,7 +363,7 @@ def _attention_case(rows=2, heads=4, kv_heads=2, d=16, num_slots=8, max_len=10, 
     return tuple(args.values())
 
 
-@needs("decode_attention", torch.float32, torch.bfloat16)
+@needs("decode_attention", torch.float32)
 @pytest.mark.parametrize("make, message", [
     (lambda: _attention_case(d=80), "no kernel for Float and head dim 80"),
     (lambda: _attention_case(q=torch.randn(2, 64)), "q must be"),

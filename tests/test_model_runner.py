@@ -115,7 +115,7 @@ def test_bf16_runs_and_stays_close_to_fp32_reference():
 
 def test_bf16_runs_on_a_cpu_without_avx512():
     """An AVX2-only CPU (masked here, in a fresh process: kernel loads are cached per process) has
-    none of our bf16 kernels (only the fp32 gemv and layer ops have AVX2 forms), and oneDNN's bf16
+    none of our bf16 kernels (only fp32 ones have AVX2 forms), and oneDNN's bf16
     linear refuses it at packing time (it raised on a real one): the engine runs bf16 on F.linear there."""
     code = ("import torch\n"
             "from engine.model.kernels import dispatch\n"

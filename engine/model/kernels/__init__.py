@@ -23,7 +23,7 @@ absent to the raw ops too.
 The build (~10 s with g++ and ninja) is cached by torch.utils.cpp_extension under
 ``$TORCH_EXTENSIONS_DIR`` (default ~/.cache/torch_extensions) and redone only when a source or
 the build command changes; concurrent processes wait on a lock file there. A CPU without AVX2
-skips the build (one with AVX2 but no AVX-512 runs only the fp32 gemv and layer ops); a machine without a compiler gets a warning. Either way the engine runs, on
+skips the build (one with AVX2 but no AVX-512 runs only the fp32 gemv, layer ops and attention); a machine without a compiler gets a warning. Either way the engine runs, on
 torch's own kernels.
 """
 
@@ -61,7 +61,7 @@ log = logging.getLogger("miniserve.kernels")
 # docs/architecture.md).
 NEEDS: dict[str, dict[torch.dtype, frozenset[str]]] = {
     "gemv": {torch.float32: frozenset({"avx2"}), torch.bfloat16: frozenset({"avx512", "avx512_bf16"})},
-    "decode_attention": {torch.float32: frozenset({"avx512"}), torch.bfloat16: frozenset({"avx512"})},
+    "decode_attention": {torch.float32: frozenset({"avx2"}), torch.bfloat16: frozenset({"avx512"})},
     "layer_ops": {torch.float32: frozenset({"avx2"}), torch.bfloat16: frozenset({"avx512"})},
     "argmax": {torch.float32: frozenset({"avx512"}), torch.bfloat16: frozenset({"avx512"})},
 }
@@ -195,7 +195,7 @@ def _load() -> bool:
                     masked)
         return False
     if "avx512" not in features:
-        log.info("no AVX-512 on this CPU: of miniserve's kernels only the fp32 gemv and layer ops (AVX2) run")
+        log.info("no AVX-512 on this CPU: of miniserve's kernels only the fp32 gemv, layer ops and attention (AVX2) run")
     try:
         import ninja  # the build tool torch's extension loader runs; on PATH even without an activated venv
         from torch.utils.cpp_extension import load

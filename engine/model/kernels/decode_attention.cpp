@@ -290,6 +290,145 @@ MINISERVE_TARGET void attend_task(const T* qg, const T* k, const T* v, int64_t L
   values_of<NC, GB>(scores.data(), v, L, G, inv_sum.data(), out, next_k, next_len);
 }
 
+
+// ---- the fp32 task in AVX2 (CPUs without AVX-512): the same three passes in 8-lane vectors ----
+
+// r[i] = Σ lanes of a[i], for 8 vectors (two levels of pairwise horizontal sums, then the halves)
+MINISERVE_TARGET_AVX2 inline __m256 sum8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+MINISERVE_TARGET_AVX2 inline float reduce_max8(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+
+// scores_of in 8 lanes (NV vectors of 8 per key; q already scaled): keys in blocks of 8, each
+// head's 8 dot products kept as vectors until one transposing sum
+template <int NV>
+MINISERVE_TARGET_AVX2 void scores_of_avx2(const float* q, const float* k, int64_t L, int G, float* scores) {
+  int64_t j0 = 0;
+  for (; j0 + 8 <= L; j0 += 8) {
+    const float* kb = k + j0 * NV * 8;
+    for (int g = 0; g < G; ++g) {
+      __m256 acc[8];
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int c = 0; c < NV; ++c) {
+        const __m256 qc = _mm256_loadu_ps(q + g * NV * 8 + c * 8);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kb + j * NV * 8 + c * 8), acc[j]);
+      }
+      _mm256_storeu_ps(scores + g * L + j0, sum8(acc));
+    }
+  }
+  for (int64_t j = j0; j < L; ++j) {  // the last L % 8 keys, one at a time
+    for (int g = 0; g < G; ++g) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int c = 0; c < NV; ++c)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * NV * 8 + c * 8), _mm256_loadu_ps(k + j * NV * 8 + c * 8), acc);
+      scores[g * L + j] = reduce_add8(acc);
+    }
+  }
+}
+
+// softmax_rows in 8 lanes
+MINISERVE_TARGET_AVX2 void softmax_rows_avx2(float* scores, int64_t L, int G, float* inv_sum) {
+  const int64_t body = L / 8 * 8;
+  const __m256i tail = lanes8(L - body);
+  for (int g = 0; g < G; ++g) {
+    float* s = scores + g * L;
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < body; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+    float top = reduce_max8(m);
+    for (int64_t j = body; j < L; ++j) top = std::max(top, s[j]);
+    const __m256 mx = _mm256_set1_ps(top);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < body; j += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mx));
+      _mm256_storeu_ps(s + j, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    if (body < L) {  // masked lanes load as 0: their e^(0 - max) is cleared before the sum
+      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(load8(s + body, tail), mx)), _mm256_castsi256_ps(tail));
+      store8(s + body, e, tail);
+      sum = _mm256_add_ps(sum, e);
+    }
+    inv_sum[g] = 1.0f / reduce_add8(sum);
+  }
+}
+
+// values_block in 8 lanes: heads g0..g0+GB-1, output vectors c0..c0+CW-1 (GB × CW accumulators),
+// keys [j0, j1): the running sums go through `out` between blocks of keys
+template <int NV, int CW, int GB>
+MINISERVE_TARGET_AVX2 void values_block_avx2(const float* p, const float* v, int64_t L, int64_t j0, int64_t j1, int g0,
+                                             int c0, float* out) {
+  __m256 acc[GB][CW];
+#pragma GCC unroll 6
+  for (int i = 0; i < GB; ++i)
+#pragma GCC unroll 4
+    for (int c = 0; c < CW; ++c)
+      acc[i][c] = j0 ? _mm256_loadu_ps(out + (g0 + i) * NV * 8 + (c0 + c) * 8) : _mm256_setzero_ps();
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* vj = v + j * NV * 8 + c0 * 8;
+#pragma GCC unroll 6
+    for (int i = 0; i < GB; ++i) {
+      const __m256 pj = _mm256_broadcast_ss(p + (g0 + i) * L + j);
+#pragma GCC unroll 4
+      for (int c = 0; c < CW; ++c) acc[i][c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + c * 8), acc[i][c]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int i = 0; i < GB; ++i)
+#pragma GCC unroll 4
+    for (int c = 0; c < CW; ++c) _mm256_storeu_ps(out + (g0 + i) * NV * 8 + (c0 + c) * 8, acc[i][c]);
+}
+
+// 12 accumulators a pass: up to 4 output vectors × 3 heads (2 × 6 at head dim 16), so a group of
+// heads takes several passes over the values: they go in blocks of 16 KB of values (in L1 for
+// every pass), each output's sum still in key order
+template <int NV>
+MINISERVE_TARGET_AVX2 void values_of_avx2(const float* p, const float* v, int64_t L, int G, const float* inv_sum,
+                                          float* out) {
+  constexpr int CW = NV < 4 ? NV : 4, GB = 12 / CW;
+  constexpr int64_t kBlock = (16 << 10) / (NV * 8 * 4);  // keys
+  for (int64_t j0 = 0; j0 < L; j0 += kBlock) {
+    const int64_t j1 = std::min(L, j0 + kBlock);
+    for (int c0 = 0; c0 < NV; c0 += CW) {
+      int g = 0;
+      for (; g + GB <= G; g += GB) values_block_avx2<NV, CW, GB>(p, v, L, j0, j1, g, c0, out);
+      switch (G - g) {
+        case 0: break;
+        case 1: values_block_avx2<NV, CW, 1>(p, v, L, j0, j1, g, c0, out); break;
+        case 2: values_block_avx2<NV, CW, 2>(p, v, L, j0, j1, g, c0, out); break;
+        case 3: if constexpr (GB > 3) values_block_avx2<NV, CW, 3>(p, v, L, j0, j1, g, c0, out); break;
+        case 4: if constexpr (GB > 4) values_block_avx2<NV, CW, 4>(p, v, L, j0, j1, g, c0, out); break;
+        default: if constexpr (GB > 5) values_block_avx2<NV, CW, 5>(p, v, L, j0, j1, g, c0, out); break;
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m256 w = _mm256_set1_ps(inv_sum[g]);
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(out + g * NV * 8 + c * 8, _mm256_mul_ps(_mm256_loadu_ps(out + g * NV * 8 + c * 8), w));
+  }
+}
+
+// attend_task for fp32 in AVX2 (no prefetching: a first form)
+template <int NV>
+MINISERVE_TARGET_AVX2 void attend_task_avx2(const float* qg, const float* k, const float* v, int64_t L, int G,
+                                            float scale, float* out, std::vector<float>& qf,
+                                            std::vector<float>& scores, std::vector<float>& inv_sum) {
+  scores.resize(G * L);
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int64_t i = 0; i < G * NV * 8; i += 8) _mm256_storeu_ps(qf.data() + i, _mm256_mul_ps(_mm256_loadu_ps(qg + i), sc));
+  scores_of_avx2<NV>(qf.data(), k, L, G, scores.data());
+  softmax_rows_avx2(scores.data(), L, G, inv_sum.data());
+  values_of_avx2<NV>(scores.data(), v, L, G, inv_sum.data(), out);
+}
+
 template <int NC, typename T>
 void attend(const T* q, const T* ks, const T* vs, const int64_t* slots, const int64_t* lens, T* out, int64_t rows,
             int64_t heads, int64_t kv_heads, int64_t max_len, float scale) {
@@ -298,6 +437,7 @@ void attend(const T* q, const T* ks, const T* vs, const int64_t* slots, const in
   const int G = static_cast<int>(heads / kv_heads);
   // bf16 scores by AVX512-BF16 dot products where the CPU has them (and the mask allows them)
   const bool dp = std::is_same_v<T, uint16_t> && NC % 2 == 0 && cpu_has_avx512_bf16();
+  const bool avx2_only = !cpu_has_avx512();  // fp32 only (decode_attention_supported)
   // Each thread takes a contiguous run of tasks holding an equal share of the keys read (a task
   // costs its row's length, plus a few keys' worth for its setup): an equal count of tasks would
   // give the thread with a prefill chunk's later rows most of the work, its rows seeing up to the
@@ -333,6 +473,12 @@ void attend(const T* q, const T* ks, const T* vs, const int64_t* slots, const in
         const int64_t rn = (t + 1) / kv_heads;
         if (slots[rn] != slots[r] || (rn == r && !chunk_row(r))) next_k = ks + kv_of(t + 1), next_len = lens[rn];
       }
+      if constexpr (std::is_same_v<T, float>) {
+        if (avx2_only) {
+          attend_task_avx2<2 * NC>(q + qo, ks + kv, vs + kv, lens[r], G, scale, out + qo, qf, scores, inv_sum);
+          continue;
+        }
+      }
       attend_task<NC, GB>(q + qo, ks + kv, vs + kv, lens[r], G, scale, out + qo, !chunk_row(r), next_k, next_len, dp,
                           qf, scores, inv_sum);
     }
@@ -356,7 +502,8 @@ void attend_any(const T* q, const T* ks, const T* vs, const int64_t* slots, cons
 bool decode_attention_supported(at::ScalarType dtype, int64_t head_dim) {
 #ifdef MINISERVE_X86
   const bool dim_ok = head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128;
-  return dim_ok && (dtype == at::kFloat || dtype == at::kBFloat16) && cpu_has_avx512();
+  return dim_ok && ((dtype == at::kFloat && (cpu_has_avx512() || cpu_has_avx2())) ||
+                    (dtype == at::kBFloat16 && cpu_has_avx512()));
 #endif
   return false;
 }
