@@ -3,8 +3,9 @@
 Full mode keeps engine.observe.metrics.RequestRecord (every token time), exactly as real runs do, and
 summarizes with engine.observe.metrics.summarize. Compact mode, for runs of a million requests, keeps a
 few numbers per request in typed arrays and streams inter-token latencies into a log-binned
-histogram: TTFT, TPOT, E2E and queue distributions stay exact, ITL mean and std are exact and
-ITL percentiles are within ``RELATIVE_ERROR``. Both give metrics.json the same keys.
+histogram: TTFT, TPOT, E2E and queue distributions stay exact, ITL mean and std are exact up to
+rounding (a run's gaps come from the cost model's terms, equal to its end times' differences up to
+rounding) and ITL percentiles are within ``RELATIVE_ERROR``. Both give metrics.json the same keys.
 """
 
 from __future__ import annotations

@@ -79,6 +79,8 @@ def test_the_engine_sees_the_masked_features(monkeypatch):
     assert cpu_features() == detected() & {"avx2"}
     assert kernels.can_run("gemv", torch.float32) == ("avx2" in detected())  # its AVX2 form
     assert not kernels.can_run("gemv", torch.bfloat16) and not kernels.can_run("argmax", torch.float32)
+    assert kernels.can_run("decode_attention", torch.float32) == ("avx2" in detected())  # its AVX2 form
+    assert not kernels.can_run("decode_attention", torch.bfloat16)
     monkeypatch.setenv("MINISERVE_CPU_FEATURES", "none")
     assert not kernels.can_run("gemv", torch.float32)
     monkeypatch.setenv("MINISERVE_CPU_FEATURES", "avx512")
@@ -96,6 +98,8 @@ def test_the_raw_ops_obey_the_features_the_engine_allows():
         assert torch.ops.miniserve.gemv_supported(torch.float32)
         torch.ops.miniserve.allow_cpu_features(True, False, False)  # AVX2 only: the fp32 gemv, layer ops and attention
         assert torch.ops.miniserve.gemv_supported(torch.float32)
+        assert torch.ops.miniserve.decode_attention_supported(torch.float32, 64)
+        assert not torch.ops.miniserve.decode_attention_supported(torch.bfloat16, 64)
         assert not torch.ops.miniserve.argmax_supported(torch.float32)
         torch.ops.miniserve.allow_cpu_features(False, False, False)
         for supported in (torch.ops.miniserve.gemv_supported(torch.float32),
@@ -271,11 +275,12 @@ ATTENTION_DTYPES = [d for d in (torch.float32, torch.bfloat16) if ON and kernels
 @needs("decode_attention", torch.float32)
 @settings(max_examples=60, deadline=None)
 @given(dtype=st.sampled_from(ATTENTION_DTYPES or [torch.float32]), rows=st.integers(1, 6),
-       heads=st.sampled_from([(4, 2), (14, 2), (7, 7), (16, 8), (8, 1)]), d=st.sampled_from([16, 32, 64, 128]),
+       heads=st.sampled_from([(4, 2), (14, 2), (7, 7), (16, 8), (8, 1), (10, 2), (5, 1), (6, 2), (8, 2), (22, 2)]),
+       d=st.sampled_from([16, 32, 64, 128]),
        data=st.data())
 def test_decode_attention_equals_exact_attention_over_each_requests_own_keys(dtype, rows, heads, d, data):
     num_heads, kv_heads = heads
-    max_len, num_slots = 70, 8
+    max_len, num_slots = 300, 8  # several of the AVX2 form's 16 KB value blocks at every head dim
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     k_store = torch.randn(num_slots, kv_heads, max_len, d, generator=g).to(dtype)
     v_store = torch.randn(num_slots, kv_heads, max_len, d, generator=g).to(dtype)
@@ -327,12 +332,13 @@ def test_bf16_attention_with_and_without_bf16_dot_products(d):
 
 @needs("decode_attention", torch.float32)
 @pytest.mark.parametrize("d", [16, 32, 64, 128])
-def test_fp32_attention_in_avx2_and_avx512_forms(d):
+@pytest.mark.parametrize("heads", [14, 10, 22])  # groups of 7, 5, 11: every remainder of the AVX2 head blocks
+def test_fp32_attention_in_avx2_and_avx512_forms(d, heads):
     # the AVX2 form (8 lanes: blocks of 8 keys, 12 value accumulators) runs on AVX2-only CPUs and,
     # switched to, on AVX-512 ones: exact attention up to rounding on a prefill chunk's rows (one
     # slot, lengths 1..n, tails of every length) and on decodes beside it
     g = torch.Generator().manual_seed(d)
-    heads, kv_heads, max_len, chunk = 14, 2, 80, 37
+    kv_heads, max_len, chunk = 2, 300, 37
     k_store, v_store = torch.randn(3, kv_heads, max_len, d, generator=g), torch.randn(3, kv_heads, max_len, d, generator=g)
     slots = torch.tensor([0] * chunk + [1, 2])
     lens = torch.tensor(list(range(1, chunk + 1)) + [max_len, 17])

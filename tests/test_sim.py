@@ -309,8 +309,9 @@ def test_running_repeated_decode_steps_at_once_changes_no_token_time(name, seqs,
         result = sim.run(make_requests(generate(wl)))
         times = ({r.request_id: r.token_times_s for r in result.records} if keep else None)
         metrics = result.metrics()
-        # compact records sum the inter-token gaps of a run of steps apart from the others: the
-        # ITL mean and std are the same sums in another order (equal to rounding), the rest exactly
+        # compact records take a run of steps' gaps as a series from the cost terms: the ITL mean
+        # and std are the same sums in another order (equal to rounding), the rest exactly (ITL
+        # percentiles are log bins 0.23% wide: a gap within rounding of a bin edge could move one)
         itl = {k: metrics["itl_s"].pop(k) for k in ("mean", "std")}
         runs.append((result.num_steps, times, metrics, itl))
         kv = sim.replicas[0].state.kv  # every block granted along a run of steps is given back
@@ -384,6 +385,45 @@ def test_a_lane_keeps_runs_of_steps_not_their_times_and_gives_back_each_token_ti
         assert compact.gaps_outside_lane_steps() == pytest.approx(full.gaps_outside_lane_steps(), rel=1e-12)
 
 
+@pytest.mark.parametrize("free", [0, 3, 7, 40])
+def test_a_run_grants_blocks_as_stepping_does_and_stops_where_the_pool_runs_short(free):
+    """advance_run walks the block calendar in clock order: the same grants, the same filing and
+    the same step at which the pool runs short as needing_block/add_block_each/got_block per step
+    (members due at the same clock, and a refiled need landing on another member's)."""
+    from engine.core.block_pool import KVBlockPool
+    from engine.core.lane import DecodeLane
+
+    def lane_and_pool() -> tuple[DecodeLane, KVBlockPool]:
+        pool, lane = KVBlockPool(64, 4), DecodeLane(block_size=4)
+        # (computed tokens, blocks held beyond what they need): due at 1, 3, 4, 4 and 5
+        for i, (computed, spare) in enumerate([(3, 0), (5, 0), (8, 0), (4, 0), (7, 1)]):
+            request = Request(f"r{i}", range(computed), 10**6)
+            request.admit_seq, request.num_computed_tokens = i + 1, computed
+            request.append_output(None, 0.0)
+            assert pool.grow(request.request_id, computed + 1 + 4 * spare)
+            lane.join(request, pool.held[request.request_id])
+        assert pool.grow("others", 4 * (pool.num_free - free))  # leaves `free` blocks
+        return lane, pool
+
+    run_lane, run_pool = lane_and_pool()
+    steps, finished, _ = run_lane.advance_run(0.0, 0.0, 1.0, 0.0, 0.0, math.inf, math.inf, run_pool)
+    step_lane, step_pool = lane_and_pool()
+    stepped = 0
+    while stepped < 10 * 64:
+        needing = step_lane.needing_block()
+        if needing:
+            if not step_pool.add_block_each(needing):
+                break
+            step_lane.got_block()
+        stepped += 1
+        step_lane.advance(float(stepped))
+    assert steps == stepped and not finished
+    assert run_pool.held == step_pool.held and run_pool.num_free == step_pool.num_free == free - sum(
+        run_pool.held[f"r{i}"] for i in range(5)) + sum(lane_and_pool()[1].held[f"r{i}"] for i in range(5))
+    assert run_lane._block_at == step_lane._block_at and run_lane._block_due == step_lane._block_due
+    assert run_lane.times_since(0) == step_lane.times_since(0) == [float(j + 1) for j in range(steps)]
+
+
 def test_itl_sketch_counts_series_of_gaps_and_single_ones():
     import numpy as np
 
@@ -394,12 +434,18 @@ def test_itl_sketch_counts_series_of_gaps_and_single_ones():
     sketch.add_series(0.5, 0.0, 1, 1)
     sketch.add_gaps([0.25])
     sketch.add_series(0.3, 1e-9, 1000, 2)  # in one bin: counted there whole
-    sketch.add_series(0.125, 1e-6, FLUSH_AT + 10, 4)  # across bins, and flushes in the middle of the buffers
+    sketch.add_series(0.125, 1e-6, FLUSH_AT + 10, 4)  # across bins; alone past FLUSH_AT gaps: flushed
     narrow, long_series = 0.3 + 1e-9 * np.arange(1000), 0.125 + 1e-6 * np.arange(FLUSH_AT + 10)
     expected = np.concatenate([np.repeat([1.0, 2.0, 5.0, 0.5, 0.25], [2, 2, 3, 1, 1]), np.repeat(narrow, 2),
                                np.repeat(long_series, 4)])
     got = sketch.distribution()
     assert sketch.n == len(expected)
+    spelled = ItlSketch()  # the same gaps one by one: the same bins
+    for gap, count in [(1.0, 2), (2.0, 2), (5.0, 3), (0.5, 1), (0.25, 1), *((x, 2) for x in narrow),
+                       *((x, 4) for x in long_series)]:
+        spelled.add(float(gap), count)
+    spelled.distribution()
+    assert (spelled.counts == sketch.counts).all()
     assert got["mean"] == pytest.approx(expected.mean(), rel=1e-12)
     assert got["std"] == pytest.approx(expected.std(), rel=1e-9)
     for p in (50, 90, 99):

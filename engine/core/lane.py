@@ -7,8 +7,8 @@ ahead of time which members finish (by length) and which need a new KV block at 
 That is what lets the simulator replay millions of requests; the real engine runs the same
 code, so both see identical plans. A member leaves (its progress written back) when it
 finishes, is preempted or aborted, or when a step does not decode every member. A simulator's
-run of such steps (``advance_run``) stores its cost terms, not one end time per step: its cost is
-the run's block grants and finishes, not its length.
+run of such steps (``advance_run``) stores its cost terms, not one end time per step: it stores
+O(1) and costs a few floating-point operations per step, plus its block grants and finishes.
 """
 
 from __future__ import annotations

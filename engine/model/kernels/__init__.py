@@ -55,8 +55,8 @@ log = logging.getLogger("miniserve.kernels")
 
 # the CPU features each kernel needs, by op and dtype (bf16 keys, values and activations are
 # widened by hand, so only gemv's bf16 dot products need AVX512-BF16; the attention's bf16 scores
-# use them where the CPU has them, and widen the keys where it does not). The fp32 gemv and layer
-# ops also have an AVX2 form: an AVX2-only CPU runs fp32 (oneDNN's linear reached 10 GB/s of
+# use them where the CPU has them, and widen the keys where it does not). The fp32 gemv, layer ops
+# and attention also have an AVX2 form: an AVX2-only CPU runs fp32 (oneDNN's linear reached 10 GB/s of
 # weights at 8 rows on one, and ~30 torch ops per layer cost a fifth of a decode call there;
 # docs/architecture.md).
 NEEDS: dict[str, dict[torch.dtype, frozenset[str]]] = {

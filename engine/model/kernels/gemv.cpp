@@ -44,7 +44,7 @@ namespace {
 
 constexpr int64_t kPanel = 32;     // output columns per panel (engine/kernels/__init__.py PANEL)
 constexpr int64_t kBlockRows = 8;  // rows per register block: 2 accumulators per row, 16 of 32 registers
-constexpr int64_t kBlockRowsAvx2 = 6;  // AVX2's: two passes of 3 rows × a whole panel (12 of 16 registers)
+constexpr int64_t kBlockRowsAvx2 = 6;  // AVX2's: two passes of 3 rows × a whole panel (12 accumulators)
 
 #ifdef MINISERVE_X86
 
@@ -109,9 +109,10 @@ MINISERVE_TARGET void panel_f32(const float* x, int64_t K, const float* w, int64
 }
 
 // panel_f32 in AVX2's 16 256-bit registers. A k step of a panel is four vectors, and rows take the
-// whole panel, three per pass (12 accumulators, the weight vectors, one broadcast: 12 FMAs per 3
-// broadcasts and 4 weight loads): measured faster at every row count from 3 than six rows × half a
-// panel (12 FMAs per 6 broadcasts and 2 loads), and four rows faster as 3 + 1 than as 2 + 2
+// whole panel, three per pass (12 accumulators; of the 4 weight vectors the compiler keeps 3 in
+// registers and reads the 4th with each row's FMA: 12 FMAs per 3 broadcasts and 6 loads):
+// measured faster at every row count from 3 than six rows × half a panel (12 FMAs per 6
+// broadcasts and 2 loads), and four rows faster as 3 + 1 than as 2 + 2
 // (figures in docs/architecture.md). M rows are taken over sub-blocks
 // of kSubSteps k steps (16 KB of weights, held in L1 while every pass multiplies them), the
 // running sums going through `part` between sub-blocks as between k blocks: each output's sum
