@@ -299,65 +299,68 @@ def test_decode_attention_equals_exact_attention_over_each_requests_own_keys(dty
         assert ((out[r].double() - ref).abs() <= tol).all()
 
 
+def _chunk_and_decodes(dtype: torch.dtype, d: int, heads: int, max_len: int):
+    """A prefill chunk's rows (one slot, lengths 1..37: tails of every length) and two decodes
+    beside it: q, keys, values, slots, lens for the raw op, 2 KV heads."""
+    g = torch.Generator().manual_seed(d)
+    chunk, kv_heads = 37, 2
+    k_store = torch.randn(3, kv_heads, max_len, d, generator=g).to(dtype)
+    v_store = torch.randn(3, kv_heads, max_len, d, generator=g).to(dtype)
+    slots = torch.tensor([0] * chunk + [1, 2])
+    lens = torch.tensor(list(range(1, chunk + 1)) + [max_len, 17])
+    return torch.randn(len(slots), heads, d, generator=g).to(dtype), k_store, v_store, slots, lens
+
+
+def _assert_exact_attention(outs, q, k_store, v_store, slots, lens, bf16_rounding: bool) -> None:
+    """Every output equals float64 attention over its row's own keys, up to fp32 rounding (and the
+    output's one bf16 rounding)."""
+    heads, d = q.shape[1], q.shape[2]
+    kv_heads = k_store.shape[1]
+    for r, (s, n) in enumerate(zip(slots.tolist(), lens.tolist())):
+        qr = q[r].double().view(kv_heads, heads // kv_heads, d)
+        p = torch.softmax(qr @ k_store[s, :, :n].double().transpose(1, 2) * d ** -0.5, dim=-1)
+        ref = (p @ v_store[s, :, :n].double()).reshape(heads, d)
+        tol = 1e-5 + (2 ** -8 * ref.abs() if bf16_rounding else 0)
+        for out in outs:
+            assert ((out[r].double() - ref).abs() <= tol).all()
+
+
 @needs("decode_attention", torch.bfloat16)
 @pytest.mark.skipif("avx512_bf16" not in FEATURES, reason="the bf16 dot-product scores need AVX512-BF16")
 @pytest.mark.parametrize("d", [16, 32, 64, 128])
 def test_bf16_attention_with_and_without_bf16_dot_products(d):
     # where the CPU has AVX512-BF16 the bf16 scores are dot products of bf16 pairs (D a multiple of
     # 32), else widened FMAs (as under MINISERVE_CPU_FEATURES=avx512): both are exact attention up
-    # to rounding, on a prefill chunk's rows (one slot, lengths 1..n) and on decodes beside it
-    g = torch.Generator().manual_seed(d)
-    heads, kv_heads, max_len, chunk = 14, 2, 80, 37
-    k_store = torch.randn(3, kv_heads, max_len, d, generator=g).bfloat16()
-    v_store = torch.randn(3, kv_heads, max_len, d, generator=g).bfloat16()
-    slots = torch.tensor([0] * chunk + [1, 2])
-    lens = torch.tensor(list(range(1, chunk + 1)) + [max_len, 17])
-    q = torch.randn(len(slots), heads, d, generator=g).bfloat16()
+    # to rounding, on a prefill chunk's rows and on decodes beside it
+    case = _chunk_and_decodes(torch.bfloat16, d, 14, 80)
     op = kernels.decode_attention(torch.bfloat16, d)
-    outs = {}
+    outs = []
     try:
         for dot_products in (True, False):
             torch.ops.miniserve.allow_cpu_features(True, True, dot_products)
-            outs[dot_products] = op(q, k_store, v_store, slots, lens, d ** -0.5)
+            outs.append(op(*case, d ** -0.5))
     finally:
         allow_the_engines_features()
-    group = heads // kv_heads
-    for r, (s, n) in enumerate(zip(slots.tolist(), lens.tolist())):
-        qr = q[r].double().view(kv_heads, group, d)
-        p = torch.softmax(qr @ k_store[s, :, :n].double().transpose(1, 2) * d ** -0.5, dim=-1)
-        ref = (p @ v_store[s, :, :n].double()).reshape(heads, d)
-        for out in outs.values():
-            assert ((out[r].double() - ref).abs() <= 1e-5 + 2 ** -8 * ref.abs()).all()
+    _assert_exact_attention(outs, *case, bf16_rounding=True)
 
 
 @needs("decode_attention", torch.float32)
 @pytest.mark.parametrize("d", [16, 32, 64, 128])
 @pytest.mark.parametrize("heads", [14, 10, 22])  # groups of 7, 5, 11: every remainder of the AVX2 head blocks
 def test_fp32_attention_in_avx2_and_avx512_forms(d, heads):
-    # the AVX2 form (8 lanes: blocks of 8 keys, 12 value accumulators) runs on AVX2-only CPUs and,
-    # switched to, on AVX-512 ones: exact attention up to rounding on a prefill chunk's rows (one
-    # slot, lengths 1..n, tails of every length) and on decodes beside it
-    g = torch.Generator().manual_seed(d)
-    kv_heads, max_len, chunk = 2, 300, 37
-    k_store, v_store = torch.randn(3, kv_heads, max_len, d, generator=g), torch.randn(3, kv_heads, max_len, d, generator=g)
-    slots = torch.tensor([0] * chunk + [1, 2])
-    lens = torch.tensor(list(range(1, chunk + 1)) + [max_len, 17])
-    q = torch.randn(len(slots), heads, d, generator=g)
+    # the AVX2 form (8 lanes: blocks of 8 keys, 12 value accumulators, 16 KB value blocks) runs on
+    # AVX2-only CPUs and, switched to, on AVX-512 ones: exact attention up to rounding on a prefill
+    # chunk's rows and on decodes beside it (300 keys: several value blocks at every head dim)
+    case = _chunk_and_decodes(torch.float32, d, heads, 300)
     op = kernels.decode_attention(torch.float32, d)
-    outs = {}
+    outs = []
     try:
         for avx512 in ([False, True] if HAS_AVX512 else [False]):
             torch.ops.miniserve.allow_cpu_features(True, avx512, False)
-            outs[avx512] = op(q, k_store, v_store, slots, lens, d ** -0.5)
+            outs.append(op(*case, d ** -0.5))
     finally:
         allow_the_engines_features()
-    group = heads // kv_heads
-    for r, (s, n) in enumerate(zip(slots.tolist(), lens.tolist())):
-        qr = q[r].double().view(kv_heads, group, d)
-        p = torch.softmax(qr @ k_store[s, :, :n].double().transpose(1, 2) * d ** -0.5, dim=-1)
-        ref = (p @ v_store[s, :, :n].double()).reshape(heads, d)
-        for out in outs.values():
-            assert ((out[r].double() - ref).abs() <= 1e-5).all()
+    _assert_exact_attention(outs, *case, bf16_rounding=False)
 
 
 def _attention_case(rows=2, heads=4, kv_heads=2, d=16, num_slots=8, max_len=10, **override):
