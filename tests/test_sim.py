@@ -374,7 +374,7 @@ def test_a_lane_keeps_runs_of_steps_not_their_times_and_gives_back_each_token_ti
     assert young.token_times_s == pytest.approx([ends[joined - 1]] + ends[joined:], rel=1e-15)
     assert old.num_output_tokens == 1 + left and young.num_output_tokens == 1 + len(ends) - joined
     if rounds > 30:  # compacted once the old member left: what only it had read is gone
-        assert 0 < lane._run_clocks[0] <= joined
+        assert 0 < lane._runs[0].clock <= joined
         assert lane._stored == sum(len(run.ends) if run.ends is not None else 1 for run in lane._runs)
     # compact records: each stay writes back its first and last time; the gaps outside lane steps are the same
     _, c_old, c_young, _, _, _ = _script_a_lane(False, rounds)

@@ -18,10 +18,12 @@ from heapq import heappop, heappush
 from collections.abc import Callable
 from operator import attrgetter
 
+from engine.core.arrivals import INF
 from engine.core.block_pool import KVBlockPool
 from engine.core.request import Request
 
 BY_ADMISSION = attrgetter("admit_seq")  # running order
+BY_CLOCK = attrgetter("clock")  # the lane's stored runs, in clock order
 
 COMPACT_EVERY = 1 << 12  # end times listed or runs stored between dropping those no member needs
 
@@ -91,7 +93,6 @@ class DecodeLane:
         self._offsets: list[int] = []  # computed tokens minus the clock
         self._offset_sum = 0
         self._runs: list[TimesRun] = []  # the end time of every advance: clocks _runs[0].clock + 1 ... clock
-        self._run_clocks: list[int] = []  # each run's clock, to bisect
         self._stored = 0  # end times listed plus computed runs: what compaction bounds
         self._last_end = 0.0  # the last advance's end
         self._finish_at: dict[int, list[Request]] = {}  # clock at which a member reaches max_tokens
@@ -111,7 +112,7 @@ class DecodeLane:
         if joined >= self.clock:
             return []
         runs = self._runs
-        r = bisect_right(self._run_clocks, joined) - 1
+        r = bisect_right(runs, joined, key=BY_CLOCK) - 1
         ends = runs[r].ends_from(joined - runs[r].clock)
         for i in range(r + 1, len(runs)):
             ends += runs[i].ends_from(0)
@@ -119,7 +120,7 @@ class DecodeLane:
 
     def _end_at(self, clock: int) -> float:
         """The end of the advance that took the lane to ``clock``."""
-        run = self._runs[bisect_right(self._run_clocks, clock - 1) - 1]
+        run = self._runs[bisect_right(self._runs, clock - 1, key=BY_CLOCK) - 1]
         return run.end(clock - 1 - run.clock)
 
     @property
@@ -262,11 +263,9 @@ class DecodeLane:
         n = len(self.members)
         continuing = n - self._num_joined_now
         self.last_gap_s, self.last_continuing = (end_s - self._last_end if continuing else 0.0), continuing
-        runs = self._runs
-        last = runs[-1] if runs else None
-        listed = last.ends if last is not None else None
-        if last is not None and listed is not None:
-            listed.append(end_s)
+        last = self._runs[-1] if self._runs else None
+        if last is not None and last.ends is not None:
+            last.ends.append(end_s)
             last.count += 1
             last.last_end = end_s
             self._stored += 1
@@ -286,18 +285,13 @@ class DecodeLane:
         finished, the first step's (gap, continuing members)); no steps: nothing changed."""
         n = len(self.members)
         context = self._offset_sum + n * self.clock
-        steps = self._run_length(start_s, before_s, step_s, per_context_s, overhead_s, context, n, arrival_s, until_s,
-                                 self.steps_to_finish())
+        steps, first_end, previous_end, last_end = self._run_ends(
+            start_s, before_s, step_s, per_context_s, overhead_s, context, n, arrival_s, until_s, self.steps_to_finish())
         if steps and self._block_at:
-            steps = self._grant_blocks(steps, pool)
-        first_end = last_end = previous_end = 0.0
-        start = start_s
-        for j in range(steps):
-            end = start + before_s + (step_s + per_context_s * (context + j * n))  # TimesRun.ends_from's
-            if j == 0:
-                first_end = end
-            previous_end, last_end = last_end, end
-            start = end + overhead_s
+            granted = self._grant_blocks(steps, pool)
+            if granted < steps:  # the pool ran short: the run's ends again, up to there
+                steps, first_end, previous_end, last_end = self._run_ends(
+                    start_s, before_s, step_s, per_context_s, overhead_s, context, n, INF, INF, granted)
         if not steps:
             return 0, [], (0.0, 0)
         continuing = n - self._num_joined_now
@@ -311,17 +305,24 @@ class DecodeLane:
         return steps, self._advanced(steps, last_end), first_gap
 
     @staticmethod
-    def _run_length(start_s: float, before_s: float, step_s: float, per_context_s: float, overhead_s: float,
-                    context: int, n: int, arrival_s: float, until_s: float, limit: int) -> int:
-        """How many of the next ``limit`` steps start before ``arrival_s`` and are over before ``until_s``."""
+    def _run_ends(start_s: float, before_s: float, step_s: float, per_context_s: float, overhead_s: float,
+                  context: int, n: int, arrival_s: float, until_s: float, limit: int
+                  ) -> tuple[int, float, float, float]:
+        """How many of the next ``limit`` steps start before ``arrival_s`` and are over before
+        ``until_s``, and the ends of the first, the one before the last, and the last of them."""
         start = start_s
+        first = previous = last = 0.0
         for j in range(limit):
             if start >= arrival_s:
-                return j
-            start = start + before_s + (step_s + per_context_s * (context + j * n)) + overhead_s
+                return j, first, previous, last
+            end = start + before_s + (step_s + per_context_s * (context + j * n))  # TimesRun.ends_from's
+            start = end + overhead_s
             if start >= until_s:
-                return j
-        return limit
+                return j, first, previous, last
+            if j == 0:
+                first = end
+            previous, last = last, end
+        return limit, first, previous, last
 
     def _grant_blocks(self, steps: int, pool: KVBlockPool) -> int:
         """Grant, in clock order, the blocks the members need along the next ``steps`` steps, as
@@ -357,7 +358,6 @@ class DecodeLane:
 
     def _add_run(self, run: TimesRun) -> None:
         self._runs.append(run)
-        self._run_clocks.append(run.clock)
         self._stored += 1
 
     def _advanced(self, steps: int, last_end: float) -> list[Request]:
@@ -374,12 +374,12 @@ class DecodeLane:
     def _compact(self) -> None:
         """Drop the end times of advances up to the oldest member's join: nobody reads them."""
         oldest = min((r.lane_joined for r in self.members), default=self.clock)
-        runs, clocks = self._runs, self._run_clocks
-        r = bisect_right(clocks, oldest) - 1  # the run holding the advance after `oldest`
+        runs = self._runs
+        r = bisect_right(runs, oldest, key=BY_CLOCK) - 1  # the run holding the advance after `oldest`
         dropped = 0
         if r > 0:
             dropped = sum([len(run.ends) if run.ends is not None else 1 for run in runs[:r]])
-            del runs[:r], clocks[:r]
+            del runs[:r]
         if runs:
             first = runs[0]
             listed = first.ends
@@ -388,10 +388,9 @@ class DecodeLane:
                 del listed[:drop]
                 dropped += drop
                 first.clock, first.count = oldest, len(listed)
-                clocks[0] = oldest
                 if listed:
                     first.first_end = listed[0]
                 else:
-                    del runs[0], clocks[0]
+                    del runs[0]
         self._stored -= dropped
         self._compact_at = self._stored + COMPACT_EVERY

@@ -470,6 +470,12 @@ void attend(const T* q, const T* ks, const T* vs, const int64_t* slots, const in
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r = t / kv_heads, h = t % kv_heads;
       const int64_t kv = kv_of(t), qo = (r * heads + h * G) * D;
+      if constexpr (std::is_same_v<T, float>) {
+        if (avx2_only) {
+          attend_task_avx2<2 * NC>(q + qo, ks + kv, vs + kv, lens[r], G, scale, out + qo, qf, scores, inv_sum);
+          continue;
+        }
+      }
       // the next task's keys are asked for during this one's value pass, as far as this task has
       // keys; not within a prefill chunk, whose rows share their slot's keys (in cache already)
       const T* next_k = nullptr;
@@ -477,12 +483,6 @@ void attend(const T* q, const T* ks, const T* vs, const int64_t* slots, const in
       if (t + 1 < t1) {
         const int64_t rn = (t + 1) / kv_heads;
         if (slots[rn] != slots[r] || (rn == r && !chunk_row(r))) next_k = ks + kv_of(t + 1), next_len = lens[rn];
-      }
-      if constexpr (std::is_same_v<T, float>) {
-        if (avx2_only) {
-          attend_task_avx2<2 * NC>(q + qo, ks + kv, vs + kv, lens[r], G, scale, out + qo, qf, scores, inv_sum);
-          continue;
-        }
       }
       attend_task<NC, GB>(q + qo, ks + kv, vs + kv, lens[r], G, scale, out + qo, !chunk_row(r), next_k, next_len, dp,
                           qf, scores, inv_sum);
