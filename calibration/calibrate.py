@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -13,6 +14,7 @@ from calibration.cost_model import FEATURES, SAMPLE_KNOTS, TOKEN_KNOTS, CostMode
 from calibration.fit import Errors, fit_nnls_on_knots, knot_map, split_heldout, supported_knots
 from calibration.physical import (PHYSICAL_FEATURES, ROW_KNOTS, Machine as PhysicalMachine, PhysicalCostModel, PhysicalShape,
                                   physical_features)
+from calibration.budget import MeasurePlan, plan_measurement, price_calls, tokens_of
 from calibration.grid import GRID_SPECS, build_grid
 from calibration.kv_copy import measure_kv_copy
 from calibration.bandwidth_history import profile_history
@@ -25,6 +27,8 @@ from engine.core.model_shape import model_shape
 from engine.model.device import describe, device_has_bf16 as bf16_native, resolve
 from engine.model.loader import config_fingerprint
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class CalibrationConfig:
@@ -36,10 +40,15 @@ class CalibrationConfig:
     seed: int = 0
     progress: bool = True
     robust: Robustness = field(default_factory=Robustness)
+    # the whole calibration's wall time it aims at, model build to fit (calibration.budget: on a slow
+    # machine the grid is thinned to fit); None: the grid as written, however long it takes
+    time_budget_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         if self.grid not in GRID_SPECS:
             raise ValueError(f"calibration.grid must be one of {tuple(GRID_SPECS)}, got {self.grid!r}")
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            raise ValueError(f"calibration.time_budget_s must be positive or null, got {self.time_budget_s!r}")
         if not 0.0 < self.heldout_fraction < 1.0:
             raise ValueError("calibration.heldout_fraction must be in (0, 1)")
 
@@ -160,9 +169,12 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     slots = max(spec.max_seqs, max(s.num_requests for s in shapes))
     runner = make_runner(model_config, slots, max_len)
     pool = ShapePool(runner, slots, max_len, seed=cfg.seed)
+    plan = plan_to_budget(pool, shapes, cfg, spec.repeats, time.perf_counter() - t0)
+    robust = cfg.robust if plan.budget_s is None else replace(cfg.robust, budget_s=min(cfg.robust.budget_s,
+                                                                                         plan.budget_s))
     with MemoryStamp() as memory:
-        measurements, mlog = measure_shapes(pool, shapes, cfg.repeats or spec.repeats, cfg.warmup, cfg.seed,
-                                            cfg.progress, cfg.robust, memory_read_gb_s)
+        measurements, mlog = measure_shapes(pool, plan.shapes, plan.repeats, plan.warmups, cfg.seed,
+                                            cfg.progress, robust, memory_read_gb_s)
         after_idle = measure_after_idle(pool, [s for s in IDLE_SHAPES if s.max_len <= max_len
                                                 and s.num_requests <= slots])
         pool.release()
@@ -201,10 +213,10 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
         "after_idle": after_idle,  # CostModel.after_idle_s
         "roofline": {"machine": machine.to_dict(), "heldout": fit["roofline_heldout"]},
         "memory_read_gb_s": {"before": memory.before, "after": memory.after},  # CostModel.memory_read_gb_s
-        "grid": {"name": cfg.grid, "spec": asdict(spec), "calls": len(shapes),
+        "grid": {"name": cfg.grid, "spec": asdict(spec), "calls": len(plan.shapes), "budget": plan.to_dict(),
                  "engine_calls": sum(len(m.times_s) for m in engine_calls), "engine_shapes": len(engine_calls),
                  "repeats": cfg.repeats or spec.repeats, "warmup": cfg.warmup, "wall_s": wall,
-                 "robust": asdict(cfg.robust), **mlog.to_dict()},
+                 "robust": asdict(robust), **mlog.to_dict()},
         "noise": {**noise_report([m.times_s for m in measurements], y, predicted, [m.shape.kind for m in measurements],
                                  cfg.repeats or spec.repeats, [m.contended for m in measurements]),
                   # the slow component a replicate draws (calibration.noise.RunNoise)
@@ -221,6 +233,38 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     model = CostModel(tuple(float(c) for c in coef), overhead.median_s, FEATURES,
                       config_fingerprint(model_config), info, copy.s_per_token)
     return Calibration(model, measurements, heldout, predicted, baseline, wall)
+
+
+# the share of the time budget the grid's measuring may take: the engine runs, the after-idle pairs
+# and the fit take the rest (about a sixth of a calibration on either kind of CPU measured so far);
+# of the measuring, the base rounds are planned to leave EXTRA_SHARE for the extra rounds of the
+# shapes that spread wide (short decodes, mostly: the worst held-out errors)
+MEASURE_SHARE = 0.8
+EXTRA_SHARE = 0.15
+
+
+def plan_to_budget(pool: ShapePool, shapes: list, cfg: CalibrationConfig, grid_repeats: int,
+                   elapsed_s: float) -> MeasurePlan:
+    """Price the grid's calls with two pilot calls and thin it to what ``cfg.time_budget_s`` leaves
+    for measuring after ``elapsed_s`` (calibration.budget); the plan's cuts are logged."""
+    repeats = cfg.repeats or grid_repeats
+    if cfg.time_budget_s is None:
+        return plan_measurement(shapes, [0.0] * len(shapes), repeats, cfg.warmup, None)
+    small, large = min(shapes, key=tokens_of), max(shapes, key=tokens_of)
+    pilot = []
+    for shape in (small, large):
+        plan = shape.to_plan(pool.request_ids)
+        pool.execute(plan)  # warm-up
+        pilot.append((tokens_of(shape), pool.execute(plan)[0]))
+    budget = max(0.0, MEASURE_SHARE * cfg.time_budget_s - elapsed_s)
+    plan = plan_measurement(shapes, price_calls(shapes, pilot[0], pilot[1]), repeats, cfg.warmup,
+                            (1 - EXTRA_SHARE) * budget)
+    plan = replace(plan, budget_s=budget)
+    log.info(f"time budget {cfg.time_budget_s:.0f} s: {budget:.0f} s left to measure; a {pilot[0][0]}-token call "
+             f"{pilot[0][1]:.3f} s, a {pilot[1][0]}-token call {pilot[1][1]:.3f} s; the grid as planned "
+             f"{plan.predicted_s:.0f} s" + (f" after cutting {'; '.join(plan.cuts)}" if plan.cuts else "")
+             + (" (still over: the base rounds always finish)" if plan.predicted_s > budget else ""))
+    return plan
 
 
 def engine_code_version() -> str:

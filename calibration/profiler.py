@@ -139,12 +139,14 @@ def round_order(num_shapes: int, rounds: int, seed: int) -> list[list[int]]:
     return [[int(i) for i in rng.permutation(num_shapes)] for _ in range(rounds)]
 
 
-def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int, warmup: int = 1, seed: int = 0,
-                   progress: bool = True, robust: Robustness = Robustness(),
+def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence[int], warmup: int | Sequence[int] = 1,
+                   seed: int = 0, progress: bool = True, robust: Robustness = Robustness(),
                    stamp: Callable[[], float] | None = None) -> tuple[list[Measurement], MeasureLog]:
     """Warm-up passes, then ``repeats`` rounds over all shapes, each in a fresh random order
     (round_order); then up to ``robust.extra_rounds`` more rounds over the shapes whose repeats
-    still spread wider than ``robust.wide_spread``.
+    still spread wider than ``robust.wide_spread``. ``repeats`` and ``warmup`` may be given per
+    shape (calibration.budget.MeasurePlan): round ``r`` then times the shapes with more than
+    ``r`` repeats, pass ``w`` warms those with more than ``w`` warm-ups.
 
     A call during which other processes used the CPU is measured again (up to
     ``robust.max_retries``); one still contended then is kept but flagged, and the shape's
@@ -157,12 +159,13 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int, warmup: i
     summary line is logged.
     """
     plans = [s.to_plan(pool.request_ids) for s in shapes]
+    reps = [repeats] * len(shapes) if isinstance(repeats, int) else list(repeats)
+    warms = [warmup] * len(shapes) if isinstance(warmup, int) else list(warmup)
     times: list[list[float]] = [[] for _ in shapes]
     flags: list[list[bool]] = [[] for _ in shapes]
     mlog = MeasureLog()
     start = time.perf_counter()
-    bar = tqdm(total=len(shapes) * (warmup + repeats), desc="calibrating", unit="call",
-               disable=None if progress else True)
+    bar = tqdm(total=sum(reps) + sum(warms), desc="calibrating", unit="call", disable=None if progress else True)
 
     def over_budget() -> bool:
         return time.perf_counter() - start > robust.budget_s
@@ -178,12 +181,14 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int, warmup: i
         bar.update()
         return t, contended
 
-    for order in round_order(len(shapes), warmup, seed + 1):
+    for w, order in enumerate(round_order(len(shapes), max(warms, default=0), seed + 1)):
         for i in order:
-            pool.execute(plans[i])
-            bar.update()
+            if warms[i] > w:
+                pool.execute(plans[i])
+                bar.update()
     stamps = [stamp()] if stamp else []
-    for r, order in enumerate(round_order(len(shapes), repeats, seed)):
+    for r, order in enumerate(round_order(len(shapes), max(reps, default=0), seed)):
+        order = [i for i in order if reps[i] > r]
         for attempt in range(2):
             got = {i: timed(i) for i in order}
             drifted = False
@@ -209,12 +214,14 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int, warmup: i
         mlog.extra_rounds += 1
         bar.total += len(wide)
         for i in rng.permutation(wide):
+            if over_budget():  # a round of long calls can outlast what is left
+                break
             t, c = timed(int(i))
             times[int(i)].append(t)
             flags[int(i)].append(c)
     bar.close()
     mlog.wall_s = time.perf_counter() - start
-    log.info(f"measured {len(shapes)} shapes × {warmup} warm-up + {repeats} repeats in {mlog.wall_s:.1f} s, "
+    log.info(f"measured {len(shapes)} shapes, {sum(warms)} warm-up and {sum(reps)} timed calls in {mlog.wall_s:.1f} s, "
              f"{mlog.retried} calls measured again (CPU contended), {mlog.rounds_remeasured} rounds again "
              f"(memory stamp moved), {mlog.extra_rounds} extra rounds for wide shapes")
     return [Measurement(s, p, tuple(t), tuple(f)) for s, p, t, f in zip(shapes, plans, times, flags)], mlog

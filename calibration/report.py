@@ -35,10 +35,14 @@ def error_table_text(result) -> str:
     lines.append(f"step overhead outside the model call: median {1e3 * ovh['median_s']:.2f} ms, "
                  f"{100 * ovh['share_of_busy']:.1f}% of model time ({ovh['steps']} steps)")
     grid = info["grid"]
-    lines.append(f"grid {grid['name']}: {grid['calls']} shapes × {grid['repeats']} repeats, "
+    timed = sum(len(m["times_s"]) for m in info["measurements"] if m["kind"] != "engine")
+    lines.append(f"grid {grid['name']}: {grid['calls']} shapes, {timed} timed calls, "
                  f"{grid['contended_retries']} contended calls re-measured, plus {grid.get('engine_calls', 0)} "
                  f"calls timed inside engine runs ({grid.get('engine_shapes', grid.get('engine_calls', 0))} shapes); "
                  f"{grid['wall_s']:.1f} s")
+    cuts = grid.get("budget", {}).get("cuts")
+    if cuts:
+        lines.append(f"cut to fit calibration.time_budget_s: {'; '.join(cuts)}")
     return "\n".join(lines)
 
 

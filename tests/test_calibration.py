@@ -175,7 +175,8 @@ def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tmp_path):
     # progress is on by default, but off a terminal only one summary line reaches the output and the log
     log = (tmp_path / "calibrate.log").read_text()
     assert "\r" not in out.stdout + out.stderr + log and "calibrating" not in out.stderr
-    assert "repeats in" in log and "calls measured again" in log
+    assert "timed calls in" in log and "calls measured again" in log
+    assert "time budget 300 s" in log  # the default budget, which the tiny model's grid fits whole
     data = json.loads((tmp_path / "profile.json").read_text())
     assert 0 <= data["fit"]["heldout_mape"] and 0 <= data["fit"]["heldout_max_error"]
     assert data["fit"]["heldout_max_error"] >= data["fit"]["heldout"]["median_error"]
@@ -190,7 +191,7 @@ def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tmp_path):
     assert all(on["kernels"][k] == runs[k] for k in ("layer_ops", "argmax"))
     assert all(runs[k] or not on["kernels"][k] for k in ("gemv", "decode_attention"))
     assert set(on["kernels"]) == {"gemv", "decode_attention", "layer_ops", "argmax"}
-    assert data["grid"]["calls"] == len(build_grid(GRID_SPECS["quick"]))
+    assert data["grid"]["calls"] == len(build_grid(GRID_SPECS["quick"])) and data["grid"]["budget"]["cuts"] == []
     kinds = [m["kind"] for m in data["measurements"]]
     engine = [m for m in data["measurements"] if m["kind"] == "engine"]
     # every engine call timed, once: each shape's calls from the runs (same lengths, same plans) are its repeats

@@ -1,0 +1,109 @@
+"""A calibration sized to its machine: the grid thinned to the time budget, cut by cut."""
+
+import pytest
+
+from calibration.budget import plan_measurement, price_calls, tokens_of
+from calibration.calibrate import EXTRA_SHARE, MEASURE_SHARE, CalibrationConfig, plan_to_budget
+from calibration.grid import GRID_SPECS, Shape, build_grid
+from calibration.profiler import measure_shapes
+
+FULL = build_grid(GRID_SPECS["full"])
+
+
+def slow_machine_prices(shapes):
+    """A CPU where a 1-token call takes 0.1 s and a 256-token one 2.9 s (a 2-core AVX2 VM)."""
+    return price_calls(shapes, (1, 0.1), (256, 2.9))
+
+
+def cost(plan):
+    return sum((w + r) * c for w, r, c in zip(plan.warmups, plan.repeats, plan.call_s))
+
+
+def test_prices_are_linear_in_tokens_through_the_two_pilot_calls():
+    shapes = [Shape("decode", decode_contexts=(8,)), Shape("decode", decode_contexts=(8,) * 4),
+              Shape("prefill", chunks=((100, 0, True),)), Shape("mixed", (5, 5), ((9, 0, True),))]
+    assert [tokens_of(s) for s in shapes] == [1, 4, 100, 11]
+    assert price_calls(shapes, (1, 0.1), (101, 1.1)) == pytest.approx([0.1, 0.13, 1.09, 0.2])
+    assert price_calls(shapes, (1, 0.1), (1, 0.1)) == pytest.approx([0.1] * 4)  # one size: one price
+
+
+def test_a_budget_the_grid_fits_or_none_keeps_the_grid_as_written():
+    prices = slow_machine_prices(FULL)
+    for budget in (None, 1e6):
+        plan = plan_measurement(FULL, prices, repeats=3, warmup=1, budget_s=budget)
+        assert plan.shapes == FULL and plan.cuts == []
+        assert set(plan.warmups) == {1} and set(plan.repeats) == {3}
+        assert plan.predicted_s == pytest.approx(4 * sum(prices))
+
+
+def test_a_tight_budget_cuts_mixed_steps_then_warm_ups_then_repeats_of_long_calls_only():
+    prices = slow_machine_prices(FULL)
+    whole = 4 * sum(prices)
+    budget = 0.35 * whole
+    plan = plan_measurement(FULL, prices, repeats=3, warmup=1, budget_s=budget)
+    assert cost(plan) == pytest.approx(plan.predicted_s) and plan.predicted_s <= budget
+    assert len(plan.cuts) == 3
+    mixed = [s for s in FULL if s.kind == "mixed"]
+    kept_mixed = [s for s in plan.shapes if s.kind == "mixed"]
+    assert kept_mixed == mixed[:12]  # the first drawn: still a random draw of the scheduler's steps
+    # decodes and prefill chunks are never cut, and their order is the grid's
+    assert [s for s in plan.shapes if s.kind != "mixed"] == [s for s in FULL if s.kind != "mixed"]
+    for shape, w, r, c in zip(plan.shapes, plan.warmups, plan.repeats, plan.call_s):
+        if c < 0.5:  # short calls keep their warm-up and every repeat: that is where the noise is
+            assert (w, r) == (1, 3), shape.name
+        else:
+            assert w == 0 and r in (2, 3)
+    # the repeats cut are those of the longest calls
+    two = [c for c, r in zip(plan.call_s, plan.repeats) if r == 2]
+    three_long = [c for c, r in zip(plan.call_s, plan.repeats) if r == 3 and c >= 0.5]
+    assert two and (not three_long or min(two) >= max(three_long))
+
+
+def test_a_budget_nothing_fits_applies_every_cut_and_says_it_is_over():
+    prices = slow_machine_prices(FULL)
+    plan = plan_measurement(FULL, prices, repeats=3, warmup=1, budget_s=1.0)
+    assert plan.predicted_s > 1.0 and min(plan.repeats) == 2  # every shape keeps two repeats
+    assert sum(s.kind == "mixed" for s in plan.shapes) == 12
+    assert all(r == 2 for r, c in zip(plan.repeats, plan.call_s) if c >= 0.5)
+
+
+class PricedPool:
+    """A pool whose calls take a time set by their tokens, counted per plan."""
+
+    request_ids = [f"r{i}" for i in range(64)]
+
+    def __init__(self, s_per_token):
+        self.s_per_token = s_per_token
+        self.calls = []
+
+    def execute(self, plan):
+        self.calls.append(plan)
+        return 0.05 + self.s_per_token * plan.total_tokens, False
+
+
+def test_the_pilot_prices_the_grid_and_the_plan_leaves_room_for_the_rest():
+    pool = PricedPool(0.01)
+    cfg = CalibrationConfig(time_budget_s=300.0)  # the whole grid would take 466 s
+    plan = plan_to_budget(pool, FULL, cfg, grid_repeats=3, elapsed_s=10.0)
+    assert len(pool.calls) == 4  # the smallest and the largest call, each after its warm-up
+    assert plan.call_s == pytest.approx([0.05 + 0.01 * tokens_of(s) for s in plan.shapes])
+    left = MEASURE_SHARE * 300.0 - 10.0
+    assert plan.budget_s == pytest.approx(left)  # what the extra rounds may run up to ...
+    assert plan.predicted_s <= (1 - EXTRA_SHARE) * left  # ... the base rounds planned below it
+    assert plan.cuts
+    unbounded = plan_to_budget(PricedPool(0.01), FULL, CalibrationConfig(time_budget_s=None), 3, 10.0)
+    assert unbounded.shapes == FULL and unbounded.budget_s is None
+
+
+def test_per_shape_warm_ups_and_repeats_are_the_calls_made():
+    shapes = FULL[:5]
+    pool = PricedPool(0.0)
+    ms, _ = measure_shapes(pool, shapes, repeats=[3, 2, 2, 3, 2], warmup=[1, 0, 1, 0, 0], progress=False)
+    assert [len(m.times_s) for m in ms] == [3, 2, 2, 3, 2]
+    plans = [s.to_plan(pool.request_ids) for s in shapes]
+    assert [sum(c == p for c in pool.calls) for p in plans] == [4, 2, 3, 3, 2]
+
+
+def test_a_budget_that_is_not_positive_is_refused():
+    with pytest.raises(ValueError, match="time_budget_s"):
+        CalibrationConfig(time_budget_s=0.0)
