@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from engine.observe.workload import LengthDist, WorkloadConfig, generate, make_requests
+from engine.observe.workload import PLACEHOLDER_STRIDE, LengthDist, WorkloadConfig, generate, iter_requests, make_requests
 
 TRACE = "arrival_s,prompt_tokens,output_tokens\n0.0,100,7\n0.5,300,9\n2.0,200,11\n"
 
@@ -195,3 +195,18 @@ def test_shared_system_prompts():
 def test_placeholder_prompts_share_nothing():
     reqs = make_requests(generate(WorkloadConfig(num_requests=3)))
     assert len({r.block_hashes(4)[0] for r in reqs}) == 3
+
+
+def test_placeholder_requests_are_the_workload_row_by_row():
+    wl = generate(WorkloadConfig(num_requests=50, arrival="poisson", rate=3.0, seed=4))
+    reqs = list(iter_requests(wl, prefix="p"))
+    assert [r.request_id for r in reqs] == [f"p-{i}" for i in range(50)]
+    assert [r.arrival_s for r in reqs] == wl.arrival_s.tolist()
+    assert [r.max_tokens for r in reqs] == wl.output_tokens.tolist()
+    assert [r.num_prompt_tokens for r in reqs] == wl.prompt_tokens.tolist()
+    assert all(r.prompt_token_ids == range(i * PLACEHOLDER_STRIDE, i * PLACEHOLDER_STRIDE + r.num_prompt_tokens)
+               for i, r in enumerate(reqs))
+    with_ids = list(iter_requests(wl, vocab_size=100, seed=1, prefix="p"))  # values drawn, same rows
+    assert [(r.request_id, r.arrival_s, r.num_prompt_tokens) for r in with_ids] == \
+        [(r.request_id, r.arrival_s, r.num_prompt_tokens) for r in reqs]
+    assert all(isinstance(r.prompt_token_ids, list) and max(r.prompt_token_ids) < 100 for r in with_ids)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING
@@ -205,3 +205,13 @@ class Request:
                 and self.output_token_ids[-1] == self.eos_token_id):
             return RequestStatus.FINISHED_STOPPED
         return None
+
+
+def placeholder_requests(arrival_s: list[float], prompt_tokens: list[int], output_tokens: list[int], prefix: str,
+                         stride: int) -> Iterator[Request]:
+    """Requests that are only lengths, one at a time: request ``i``'s prompt is ``range(i × stride,
+    i × stride + prompt_tokens[i])`` (no values, ids unique to it). What a simulator replays; here
+    in the core so a compiled build makes the millions of them, not the interpreter."""
+    for i in range(len(arrival_s)):
+        start = i * stride
+        yield Request(f"{prefix}-{i}", range(start, start + prompt_tokens[i]), output_tokens[i], arrival_s[i])

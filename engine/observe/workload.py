@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.core.request import Request
+from engine.core.request import Request, placeholder_requests
 from engine.observe import prompts
 from engine.observe.prompts import Segments
 from engine.observe.traces import read_rows
@@ -241,16 +241,22 @@ def _multi_turn(cfg: WorkloadConfig, starts: np.ndarray, rng: np.random.Generato
 def iter_requests(workload: Workload, vocab_size: int | None = None, seed: int = 0,
                   prefix: str = "req") -> Iterator[Request]:
     """``make_requests`` one at a time, so a long simulation never holds every request at once."""
+    arrival, lengths, outputs = (workload.arrival_s.tolist(), workload.prompt_tokens.tolist(),
+                                 workload.output_tokens.tolist())
+    if workload.prompt_segments is None and not vocab_size:
+        # no values, only a length; ids unique to the request, so prefix caching finds nothing
+        return placeholder_requests(arrival, lengths, outputs, prefix, PLACEHOLDER_STRIDE)
+    return _requests_with_content(workload.prompt_segments, arrival, lengths, outputs, vocab_size, seed, prefix)
+
+
+def _requests_with_content(segments: list | None, arrival: list[float], lengths: list[int], outputs: list[int],
+                           vocab_size: int | None, seed: int, prefix: str) -> Iterator[Request]:
     rng = np.random.default_rng(seed)
-    segments = workload.prompt_segments
-    for i, (t, p, o) in enumerate(zip(workload.arrival_s.tolist(), workload.prompt_tokens.tolist(),
-                                      workload.output_tokens.tolist())):
+    for i, (t, p, o) in enumerate(zip(arrival, lengths, outputs)):
         if segments is not None:  # the same token ids in real and simulated runs
             prompt = prompts.expand(segments[i])
-        elif vocab_size:
+        else:
             prompt = rng.integers(0, vocab_size, p).tolist()
-        else:  # no values, only a length; ids unique to the request, so prefix caching finds nothing
-            prompt = range(i * PLACEHOLDER_STRIDE, i * PLACEHOLDER_STRIDE + p)
         yield Request(f"{prefix}-{i}", prompt, o, arrival_s=t)
 
 
