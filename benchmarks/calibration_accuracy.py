@@ -2,7 +2,8 @@
 
     flock /tmp/miniserve-bench.lock python benchmarks/calibration_accuracy.py [--profile DIR/profile.json]
 
-Without --profile it first calibrates the 0.5B-shaped model on the full grid (a few minutes).
+Without --profile it first calibrates the 0.5B-shaped model as `experiments.calibrate` does (the full grid,
+sized to the default time budget: at most ~5 minutes).
 Then it serves the seed burst (16 requests, 12-token prompts, outputs 4,16,8,12, max_num_seqs 8)
 with serial, static and continuous batching on the real engine, ``--repeats`` times each (the
 plans are deterministic, so every call has one median duration), and prints per scheduler the

@@ -4,19 +4,19 @@ fit the time budget.
 The same grid costs ~2 minutes on a CPU with AVX-512 and ~10 on a 2-core AVX2 one, where a
 256-token call takes seconds. Before measuring, two pilot calls (the grid's smallest and largest
 call, each after a warm-up) price every shape linearly in its tokens; the plan then cuts, in
-this order, what buys the least accuracy per second until the predicted time fits:
+this order, what buys the least accuracy per second while the predicted time is over:
 
-1. mixed steps past ``min_mixed`` (a random draw of the continuous scheduler's steps, the
-   costliest kind, and the best predicted from the others);
-2. the own warm-up of shapes whose call is long (``long_call_s``): what a first call adds
-   (allocation, a kernel's setup) is milliseconds, within their noise, and they run after the
-   warm-up pass of the short ones;
-3. the third repeat of long calls, the longest first: a call of seconds varies by a few percent,
-   a 0.1 s decode by 10–30%, so repeats pay off on the short ones.
+1. mixed steps past ``min_mixed``, the last drawn first (a random draw of the continuous
+   scheduler's steps, the costliest kind, and the best predicted from the others);
+2. the own warm-up of every shape whose call is long (``long_call_s``), at once: what a first
+   call adds (allocation, a kernel's setup) is milliseconds, within their noise, and they run
+   after the warm-up pass of the short ones;
+3. repeats of long calls beyond two, the longest first: a call of seconds varies by a few
+   percent, a 0.1 s decode by 10–30%, so repeats pay off on the short ones.
 
 Decodes and single prefill chunks are never cut: they are the axes every prediction stands on.
-What time is left after the base rounds goes to extra rounds for the shapes that spread wide
-(calibration.profiler.measure_shapes).
+What time is left after the base rounds goes to extra rounds for the shapes that spread wide,
+the shortest first (calibration.profiler.measure_shapes).
 """
 
 from __future__ import annotations
@@ -40,7 +40,10 @@ class MeasurePlan:
 
     def to_dict(self) -> dict:
         return {"shapes": len(self.shapes), "warmup_calls": sum(self.warmups), "repeat_calls": sum(self.repeats),
-                "predicted_s": self.predicted_s, "budget_s": self.budget_s, "cuts": self.cuts}
+                "shapes_without_own_warmup": sum(w == 0 for w in self.warmups),
+                "repeats_by_shape": self.repeats,  # the profile's measurements, in order, before the engine's
+                "predicted_s": self.predicted_s if self.budget_s is not None else None,
+                "budget_s": self.budget_s, "cuts": self.cuts}
 
 
 def price_calls(shapes: list[Shape], small: tuple[int, float], large: tuple[int, float]) -> list[float]:
@@ -58,8 +61,8 @@ def tokens_of(shape: Shape) -> int:
 def plan_measurement(shapes: list[Shape], call_s: list[float], repeats: int, warmup: int, budget_s: float | None,
                      min_mixed: int = 12, long_call_s: float = 0.5) -> MeasurePlan:
     """Fit ``repeats`` rounds and ``warmup`` passes over ``shapes`` (priced at ``call_s``) into
-    ``budget_s`` seconds by the cuts the module describes; every shape keeps at least two
-    repeats. Past the last cut the plan may still exceed the budget (``predicted_s`` says so)."""
+    ``budget_s`` seconds by the cuts the module describes; no shape is cut below two repeats.
+    Past the last cut the plan may still exceed the budget (``predicted_s`` says so)."""
     keep = list(range(len(shapes)))
     warm = [warmup] * len(shapes)
     reps = [repeats] * len(shapes)

@@ -169,7 +169,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     slots = max(spec.max_seqs, max(s.num_requests for s in shapes))
     runner = make_runner(model_config, slots, max_len)
     pool = ShapePool(runner, slots, max_len, seed=cfg.seed)
-    plan = plan_to_budget(pool, shapes, cfg, spec.repeats, time.perf_counter() - t0)
+    plan = plan_to_budget(pool, shapes, cfg, spec.repeats, t0)
     robust = cfg.robust if plan.budget_s is None else replace(cfg.robust, budget_s=min(cfg.robust.budget_s,
                                                                                          plan.budget_s))
     with MemoryStamp() as memory:
@@ -218,7 +218,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
                  "repeats": cfg.repeats or spec.repeats, "warmup": cfg.warmup, "wall_s": wall,
                  "robust": asdict(robust), **mlog.to_dict()},
         "noise": {**noise_report([m.times_s for m in measurements], y, predicted, [m.shape.kind for m in measurements],
-                                 cfg.repeats or spec.repeats, [m.contended for m in measurements]),
+                                 plan.repeats + [0] * len(engine_calls), [m.contended for m in measurements]),
                   # the slow component a replicate draws (calibration.noise.RunNoise)
                   **profile_history(model_config.num_threads, [memory.before, memory.after, *mlog.round_stamps_gb_s])},
         "measurements": [{"shape": m.shape.name, "kind": m.shape.kind, "tokens": m.plan.total_tokens,
@@ -244,9 +244,10 @@ EXTRA_SHARE = 0.15
 
 
 def plan_to_budget(pool: ShapePool, shapes: list, cfg: CalibrationConfig, grid_repeats: int,
-                   elapsed_s: float) -> MeasurePlan:
+                   started_at: float) -> MeasurePlan:
     """Price the grid's calls with two pilot calls and thin it to what ``cfg.time_budget_s`` leaves
-    for measuring after ``elapsed_s`` (calibration.budget); the plan's cuts are logged."""
+    for measuring since ``started_at`` (``time.perf_counter()``; calibration.budget); the plan's
+    cuts are logged. A pilot call timed while others used the CPU is timed again."""
     repeats = cfg.repeats or grid_repeats
     if cfg.time_budget_s is None:
         return plan_measurement(shapes, [0.0] * len(shapes), repeats, cfg.warmup, None)
@@ -255,8 +256,13 @@ def plan_to_budget(pool: ShapePool, shapes: list, cfg: CalibrationConfig, grid_r
     for shape in (small, large):
         plan = shape.to_plan(pool.request_ids)
         pool.execute(plan)  # warm-up
-        pilot.append((tokens_of(shape), pool.execute(plan)[0]))
-    budget = max(0.0, MEASURE_SHARE * cfg.time_budget_s - elapsed_s)
+        took, contended = pool.execute(plan)
+        for _ in range(cfg.robust.max_retries):
+            if not contended:
+                break
+            took, contended = pool.execute(plan)
+        pilot.append((tokens_of(shape), took))
+    budget = max(0.0, MEASURE_SHARE * cfg.time_budget_s - (time.perf_counter() - started_at))
     plan = plan_measurement(shapes, price_calls(shapes, pilot[0], pilot[1]), repeats, cfg.warmup,
                             (1 - EXTRA_SHARE) * budget)
     plan = replace(plan, budget_s=budget)

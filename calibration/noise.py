@@ -23,32 +23,39 @@ from dataclasses import dataclass
 import numpy as np
 
 
-def round_factors(times: Sequence[Sequence[float]], typical: Sequence[float], rounds: int) -> list[float]:
-    """log factor of each of the first ``rounds`` repeats, the median over shapes."""
+def round_factors(times: Sequence[Sequence[float]], typical: Sequence[float],
+                  rounds: int | Sequence[int]) -> list[float]:
+    """log factor of each round, the median over the shapes timed in it: a shape's first
+    ``rounds`` repeats (or ``rounds[i]``, per shape, where a time budget gave some fewer) are rounds,
+    the rest extra rounds."""
+    per_shape = [rounds] * len(times) if isinstance(rounds, int) else list(rounds)
     out = []
-    for r in range(rounds):
-        logs = [math.log(t[r] / m) for t, m in zip(times, typical) if len(t) > r and m > 0 and t[r] > 0]
+    for r in range(max(per_shape, default=0)):
+        logs = [math.log(t[r] / m) for t, m, k in zip(times, typical, per_shape)
+                if k > r and len(t) > r and m > 0 and t[r] > 0]
         if logs:
             out.append(float(statistics.median(logs)))
     return out
 
 
 def noise_report(times: Sequence[Sequence[float]], typical: Sequence[float], predicted: Sequence[float],
-                 kinds: Sequence[str], rounds: int, contended: Sequence[Sequence[bool]] = ()) -> dict:
+                 kinds: Sequence[str], rounds: int | Sequence[int], contended: Sequence[Sequence[bool]] = ()) -> dict:
     """The profile's ``noise`` entry. ``times[i]`` are shape i's timed calls in round order
     (engine calls: one each, ``kinds[i] == "engine"``), ``typical[i]`` the statistic the fit used,
-    ``predicted[i]`` the fitted prediction; the first ``rounds`` repeats of grid shapes are rounds.
+    ``predicted[i]`` the fitted prediction; the first ``rounds`` (or ``rounds[i]``) repeats of
+    grid shapes are rounds.
     Calls still contended after their retries (``contended[i][r]``) stay out of ``call_log``: a
     real run that others disturbed is flagged and run again, so the band is for undisturbed runs."""
+    per_shape = [rounds] * len(times) if isinstance(rounds, int) else list(rounds)
     grid = [i for i, k in enumerate(kinds) if k != "engine"]
-    factors = round_factors([times[i] for i in grid], [typical[i] for i in grid], rounds)
+    factors = round_factors([times[i] for i in grid], [typical[i] for i in grid], [per_shape[i] for i in grid])
     calls: list[float] = []
     for i, ts in enumerate(times):
         flags = contended[i] if i < len(contended) else ()
         for r, t in enumerate(ts):
             if t <= 0 or predicted[i] <= 0 or (r < len(flags) and flags[r]):
                 continue
-            shift = factors[r] if kinds[i] != "engine" and r < len(factors) else 0.0
+            shift = factors[r] if kinds[i] != "engine" and r < min(len(factors), per_shape[i]) else 0.0
             calls.append(math.log(t / predicted[i]) - shift)
     spreads = [(max(times[i]) - min(times[i])) / statistics.median(times[i]) for i in grid]
     cvs = [float(np.std(times[i]) / np.mean(times[i])) for i in grid if len(times[i]) > 1]
