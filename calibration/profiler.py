@@ -112,7 +112,9 @@ class Robustness:
     extra_rounds: int = 3  # ... at most this many
     memory_drift: float = 0.20  # a round whose memory stamp is this far from the usual (median) is measured again
     stamp_rounds: bool = True  # stamp memory bandwidth between rounds (~0.1 s each)
-    budget_s: float = 200.0  # past this (from the first timed call) no more retries, re-measured or extra rounds
+    # past this (from the first timed call) no more retries, re-measured or extra rounds; a
+    # calibration with a time budget (CalibrationConfig.time_budget_s) sets it to what that leaves
+    budget_s: float = 200.0
 
 
 @dataclass
