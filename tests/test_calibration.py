@@ -192,6 +192,8 @@ def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tmp_path):
     assert all(runs[k] or not on["kernels"][k] for k in ("gemv", "decode_attention"))
     assert set(on["kernels"]) == {"gemv", "decode_attention", "layer_ops", "argmax"}
     assert data["grid"]["calls"] == len(build_grid(GRID_SPECS["quick"])) and data["grid"]["budget"]["cuts"] == []
+    # what the budget leaves for measuring also bounds the retries and extra rounds
+    assert 0 < data["grid"]["robust"]["budget_s"] == data["grid"]["budget"]["budget_s"] < 0.8 * 300
     kinds = [m["kind"] for m in data["measurements"]]
     engine = [m for m in data["measurements"] if m["kind"] == "engine"]
     # every engine call timed, once: each shape's calls from the runs (same lengths, same plans) are its repeats
