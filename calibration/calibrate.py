@@ -235,10 +235,9 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     return Calibration(model, measurements, heldout, predicted, baseline, wall)
 
 
-# the share of the time budget the grid's measuring may take: the engine runs, the after-idle pairs
-# and the fit take the rest (about a sixth of a calibration on either kind of CPU measured so far);
-# of the measuring, the base rounds are planned to leave EXTRA_SHARE for the extra rounds of the
-# shapes that spread wide (short decodes, mostly: the worst held-out errors)
+# the share of the time budget the grid's measuring may take (the engine runs, the after-idle pairs
+# and the fit take the rest); of the measuring, the base rounds are planned to leave EXTRA_SHARE
+# for the extra rounds of the shapes that spread wide
 MEASURE_SHARE = 0.8
 EXTRA_SHARE = 0.15
 
