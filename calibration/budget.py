@@ -51,11 +51,7 @@ def price_calls(shapes: list[Shape], small: tuple[int, float], large: tuple[int,
     (the grid's smallest and largest): rough, but a plan needs only the size of each cost."""
     (t0, s0), (t1, s1) = small, large
     slope = (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
-    return [max(s0 + slope * (tokens_of(s) - t0), 0.1 * s0) for s in shapes]
-
-
-def tokens_of(shape: Shape) -> int:
-    return len(shape.decode_contexts) + sum(n for n, _, _ in shape.chunks)
+    return [max(s0 + slope * (s.num_tokens - t0), 0.1 * s0) for s in shapes]
 
 
 def plan_measurement(shapes: list[Shape], call_s: list[float], repeats: int, warmup: int, budget_s: float | None,

@@ -6,6 +6,7 @@ import datetime
 import logging
 import platform
 import time
+from operator import attrgetter
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
@@ -14,12 +15,13 @@ from calibration.cost_model import FEATURES, SAMPLE_KNOTS, TOKEN_KNOTS, CostMode
 from calibration.fit import Errors, fit_nnls_on_knots, knot_map, split_heldout, supported_knots
 from calibration.physical import (PHYSICAL_FEATURES, ROW_KNOTS, Machine as PhysicalMachine, PhysicalCostModel, PhysicalShape,
                                   physical_features)
-from calibration.budget import MeasurePlan, plan_measurement, price_calls, tokens_of
+from calibration.budget import MeasurePlan, plan_measurement, price_calls
 from calibration.grid import GRID_SPECS, build_grid
 from calibration.kv_copy import measure_kv_copy
 from calibration.bandwidth_history import profile_history
 from calibration.noise import noise_report
-from calibration.profiler import (IDLE_SHAPES, Measurement, Robustness, ShapePool, make_runner, measure_after_idle,
+from calibration.profiler import (IDLE_SHAPES, Measurement, Robustness, ShapePool, execute_uncontended, make_runner,
+                                  measure_after_idle,
                                   measure_engine_runs, measure_shapes, threads_of)
 from calibration.roofline import MemoryStamp, ModelShape, measure_machine, memory_read_gb_s, roofline_s
 from engine.core.config import ModelConfig
@@ -250,17 +252,12 @@ def plan_to_budget(pool: ShapePool, shapes: list, cfg: CalibrationConfig, grid_r
     repeats = cfg.repeats or grid_repeats
     if cfg.time_budget_s is None:
         return plan_measurement(shapes, [0.0] * len(shapes), repeats, cfg.warmup, None)
-    small, large = min(shapes, key=tokens_of), max(shapes, key=tokens_of)
+    by_tokens = attrgetter("num_tokens")
     pilot = []
-    for shape in (small, large):
+    for shape in (min(shapes, key=by_tokens), max(shapes, key=by_tokens)):
         plan = shape.to_plan(pool.request_ids)
         pool.execute(plan)  # warm-up
-        took, contended = pool.execute(plan)
-        for _ in range(cfg.robust.max_retries):
-            if not contended:
-                break
-            took, contended = pool.execute(plan)
-        pilot.append((tokens_of(shape), took))
+        pilot.append((shape.num_tokens, execute_uncontended(pool, plan, cfg.robust.max_retries)[0]))
     budget = max(0.0, MEASURE_SHARE * cfg.time_budget_s - (time.perf_counter() - started_at))
     plan = plan_measurement(shapes, price_calls(shapes, pilot[0], pilot[1]), repeats, cfg.warmup,
                             (1 - EXTRA_SHARE) * budget)

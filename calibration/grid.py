@@ -28,6 +28,11 @@ class Shape:
         return len(self.decode_contexts) + len(self.chunks)
 
     @property
+    def num_tokens(self) -> int:
+        """Tokens the call computes (its plan's total_tokens)."""
+        return len(self.decode_contexts) + sum(n for n, _, _ in self.chunks)
+
+    @property
     def max_len(self) -> int:
         """KV positions the shape touches (so the cache is big enough)."""
         return max([c + 1 for c in self.decode_contexts] + [c + n for n, c, _ in self.chunks])

@@ -23,12 +23,16 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def _per_shape(rounds: int | Sequence[int], num_shapes: int) -> list[int]:
+    return [rounds] * num_shapes if isinstance(rounds, int) else list(rounds)
+
+
 def round_factors(times: Sequence[Sequence[float]], typical: Sequence[float],
                   rounds: int | Sequence[int]) -> list[float]:
     """log factor of each round, the median over the shapes timed in it: a shape's first
     ``rounds`` repeats (or ``rounds[i]``, per shape, where a time budget gave some fewer) are rounds,
     the rest extra rounds."""
-    per_shape = [rounds] * len(times) if isinstance(rounds, int) else list(rounds)
+    per_shape = _per_shape(rounds, len(times))
     out = []
     for r in range(max(per_shape, default=0)):
         logs = [math.log(t[r] / m) for t, m, k in zip(times, typical, per_shape)
@@ -46,7 +50,7 @@ def noise_report(times: Sequence[Sequence[float]], typical: Sequence[float], pre
     grid shapes are rounds.
     Calls still contended after their retries (``contended[i][r]``) stay out of ``call_log``: a
     real run that others disturbed is flagged and run again, so the band is for undisturbed runs."""
-    per_shape = [rounds] * len(times) if isinstance(rounds, int) else list(rounds)
+    per_shape = _per_shape(rounds, len(times))
     grid = [i for i, k in enumerate(kinds) if k != "engine"]
     factors = round_factors([times[i] for i in grid], [typical[i] for i in grid], [per_shape[i] for i in grid])
     calls: list[float] = []

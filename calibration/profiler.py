@@ -134,6 +134,18 @@ class MeasureLog:
                 "measure_wall_s": self.wall_s}
 
 
+def execute_uncontended(pool: ShapePool, plan: BatchPlan, max_retries: int,
+                        give_up: Callable[[], bool] = lambda: False) -> tuple[float, bool, int]:
+    """Time ``plan``; while other processes used the CPU meanwhile, time it again, up to
+    ``max_retries`` times or until ``give_up()``. Returns (seconds, still contended, retries)."""
+    t, contended = pool.execute(plan)
+    retries = 0
+    while contended and retries < max_retries and not give_up():
+        retries += 1
+        t, contended = pool.execute(plan)
+    return t, contended, retries
+
+
 def round_order(num_shapes: int, rounds: int, seed: int) -> list[list[int]]:
     """A fresh random order of the shapes per round: the repeats of one shape are spread across
     the whole run, and a slow spell lands on many shapes once rather than on one shape thrice."""
@@ -173,12 +185,8 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
         return time.perf_counter() - start > robust.budget_s
 
     def timed(i: int) -> tuple[float, bool]:
-        t, contended = pool.execute(plans[i])
-        for _ in range(robust.max_retries):
-            if not contended or over_budget():
-                break
-            mlog.retried += 1
-            t, contended = pool.execute(plans[i])
+        t, contended, retries = execute_uncontended(pool, plans[i], robust.max_retries, over_budget)
+        mlog.retried += retries
         mlog.order.append(i)
         bar.update()
         return t, contended

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from calibration.budget import plan_measurement, price_calls, tokens_of
+from calibration.budget import plan_measurement, price_calls
 from calibration.calibrate import EXTRA_SHARE, MEASURE_SHARE, CalibrationConfig, plan_to_budget
 from calibration.grid import GRID_SPECS, Shape, build_grid
 from calibration.noise import round_factors
@@ -26,7 +26,7 @@ def cost(plan):
 def test_prices_are_linear_in_tokens_through_the_two_pilot_calls():
     shapes = [Shape("decode", decode_contexts=(8,)), Shape("decode", decode_contexts=(8,) * 4),
               Shape("prefill", chunks=((100, 0, True),)), Shape("mixed", (5, 5), ((9, 0, True),))]
-    assert [tokens_of(s) for s in shapes] == [1, 4, 100, 11]
+    assert [s.num_tokens for s in shapes] == [1, 4, 100, 11]
     assert price_calls(shapes, (1, 0.1), (101, 1.1)) == pytest.approx([0.1, 0.13, 1.09, 0.2])
     assert price_calls(shapes, (1, 0.1), (1, 0.1)) == pytest.approx([0.1] * 4)  # one size: one price
 
@@ -90,7 +90,7 @@ def test_the_pilot_prices_the_grid_and_the_plan_leaves_room_for_the_rest():
     cfg = CalibrationConfig(time_budget_s=300.0)  # the whole grid would take 466 s
     plan = plan_to_budget(pool, FULL, cfg, grid_repeats=3, started_at=time.perf_counter() - 10.0)
     assert len(pool.calls) == 4  # the smallest and the largest call, each after its warm-up
-    assert plan.call_s == pytest.approx([0.05 + 0.01 * tokens_of(s) for s in plan.shapes])
+    assert plan.call_s == pytest.approx([0.05 + 0.01 * s.num_tokens for s in plan.shapes])
     left = MEASURE_SHARE * 300.0 - 10.0
     assert plan.budget_s == pytest.approx(left, abs=0.5)  # what the extra rounds may run up to ...
     assert plan.predicted_s <= (1 - EXTRA_SHARE) * plan.budget_s  # ... the base rounds planned below it
@@ -110,7 +110,7 @@ def test_a_pilot_call_others_disturbed_is_timed_again():
     pool.execute = execute
     plan = plan_to_budget(pool, FULL, CalibrationConfig(time_budget_s=300.0), 3, time.perf_counter())
     assert len(pool.calls) == 5  # warm-up, the contended call, its retry; then the large one's two
-    assert plan.call_s[0] == pytest.approx(0.05 + 0.01 * tokens_of(plan.shapes[0]))  # not 5× that
+    assert plan.call_s[0] == pytest.approx(0.05 + 0.01 * plan.shapes[0].num_tokens)  # not 5× that
 
 
 def test_extra_rounds_take_the_shortest_wide_shapes_first():
