@@ -295,7 +295,7 @@ def load_profile_for(path: str | Path, shape: dict, dtype: str, fingerprint: str
 
 
 def at_run_bandwidth(cost: AnyCostModel, memory_gb_s: float | None) -> AnyCostModel:
-    """The cost model priced at a real run's stamped read bandwidth (validate.use_run_bandwidth):
+    """The cost model priced at the read bandwidth a real run saw (validate.use_run_bandwidth):
     a slow spell of the host's memory during the real run is then not counted as simulator error.
     An empirical model is returned as is (it has no bandwidth term to move)."""
     if memory_gb_s is None or not isinstance(cost, PhysicalCostModel):

@@ -18,17 +18,20 @@ contended again stays flagged (``contended_runs``). Every attempt is in real_run
 
 Per metric: the real median, min, max and coefficient of variation; the deterministic simulation's
 error against the median; a row passes when |sim − median| ≤ max(tolerance, half the real spread
-(max − min) / 2, relative to the median). With ``bands.replicates=N`` (100), N simulations with call
-times drawn from measured noise give each metric's 5–95% band; coverage is the share of real runs
-inside it. Each replicate draws one memory bandwidth from the machine's history (the profile's,
+(max − min) / 2, relative to the median). ``sim_moves``: how far the simulation moves when every
+call is ``sensitivity`` (2%) slower or faster; a static batch that a request just makes or misses
+can move a TTFT p50 by tens of percent for 2%, and a miss there says more about the metric than
+the simulator (the table counts those that move past their tolerance as ill-conditioned).
+With ``bands.replicates=N`` (100), N simulations with call times drawn from measured noise give
+each metric's 5–95% band; coverage is the share of real runs inside it. Each replicate draws one memory bandwidth from the machine's history (the profile's,
 or its calibration's stamps, and every other row's real runs as their calls saw it, never the
 row's own) and a residual per call; validation.csv's ``band_source`` says which. Each timing metric also gets a leave-one-row-out band (sim.bands.conformal_band:
 the row's simulation scaled by the 5–95% spread of real/simulated over every other row's real runs)
 and its coverage: the band a user of this simulator on this machine can expect. Writes DIR/validation.csv, DIR/real_runs.csv (every attempt) and DIR/real_runs.json (also each
 run's requests: ``real_runs=DIR/real_runs.json`` simulates against the same runs again) and prints the table.
 Without a profile, a quick calibration runs first. ``use_run_bandwidth=true`` times each row's
-simulation with the profile's physical model priced at the median bandwidth stamped around that
-row's real runs.
+simulation with the profile's physical model priced at the median bandwidth that row's real runs'
+calls saw (calibration.noise.calls_gb_s; the stamp around a run whose calls fit none).
 """
 
 from __future__ import annotations
@@ -140,9 +143,18 @@ class ValidateApp:
     bands: ValidateBands = field(default_factory=ValidateBands)
     real_runs: str | None = None  # a previous validation's real_runs.json: simulate against those runs again
     saturation_requests: int = 64  # burst size used to find each configuration's saturation rate
-    # price the simulation of each row at the read bandwidth stamped around its real run (the
-    # profile's physical cost model), so a slow spell of the host's memory is not counted as error
+    # price the simulation of each row at the read bandwidth its real runs' calls saw (the
+    # profile's physical cost model; row_cost), so a slow spell of the host's memory is not
+    # counted as error
     use_run_bandwidth: bool = False
+    # each row is also simulated with every call this much slower and faster (about a calibration's
+    # held-out error plus a quiet host's drift between runs); validation.csv's sim_moves says how far
+    # each metric moves. Where that is past the tolerance, a point prediction is luck (0: off)
+    sensitivity: float = 0.02
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.sensitivity < 1:
+            raise ValueError(f"sensitivity must be in [0, 1), got {self.sensitivity!r}")
 
 
 register("validate_schema", ValidateApp)
@@ -276,11 +288,21 @@ def row_passes(sim: float, real: list[float], tolerance: float) -> tuple[float, 
 
 def row_cost(cost: AnyCostModel, runs: list[dict], use_run_bandwidth: bool) -> AnyCostModel:
     """The cost model a row is simulated with: the profile's, or with ``use_run_bandwidth`` its
-    physical model priced at the median bandwidth stamped around the row's real runs, so a slow
-    spell of the host's memory is not counted as simulator error."""
+    physical model priced at the median over the row's real runs of the bandwidth each run's calls
+    saw (``calls_gb_s``; the probe stamped around the run where no bandwidth fits its calls), so a
+    slow spell of the host's memory is not counted as simulator error. One number per run, fitted
+    to its calls' median: throughput under it is no independent test, but when and with whom each
+    request is scheduled (TTFT, the batches) still is."""
     if not use_run_bandwidth:
         return cost
-    return at_run_bandwidth(cost, statistics.median(r["memory_gb_s"] for r in counted(runs)))
+    return at_run_bandwidth(cost, runs_gb_s(runs))
+
+
+def runs_gb_s(runs: list[dict]) -> float:
+    """The read bandwidth a row's counted real runs saw: the median of their calls' (the stamp of
+    a run whose calls fit none)."""
+    return statistics.median(r["memory_gb_s"] if r.get("calls_gb_s") is None else r["calls_gb_s"]
+                             for r in counted(runs))
 
 
 def run_calls_gb_s(physical: PhysicalCostModel | None, run: dict) -> float | None:
@@ -326,8 +348,23 @@ def simulate_row(cost: AnyCostModel, row: Row, replay: list[tuple], keep: int, s
             [with_trace(r.metrics(), r.trace_calls(), cap) for r in reps])
 
 
+def row_moves(cost: AnyCostModel, row: Row, replay: list[tuple], sim_m: dict, by: float) -> dict[str, float]:
+    """How far each metric of the deterministic simulation ``sim_m`` moves when every call takes
+    ``by`` longer or shorter (the larger of the two relative moves). Where a static batch that a
+    request just makes or just misses decides a percentile, a machine 2% slower or faster can move
+    it by tens of percent: a metric that moves past its tolerance so is ill-conditioned, and a
+    prediction of it is only as good as the machine's speed is known."""
+    moved = []
+    for scale in (1 - by, 1 + by):
+        requests = [Request(rid, range(p), o, arrival_s=a) for rid, a, p, o in replay]
+        sim = simulate(requests, row.scheduler, lambda scale=scale: CostModelExecutor(cost, scale), keep_steps=True)
+        moved.append(with_trace(sim.metrics(), sim.trace_calls(), row.scheduler.max_num_seqs))
+    return {metric: max(abs(rel_error(float(read(sim_m)), float(read(m)))) for m in moved)
+            for metric, read, _ in METRICS}
+
+
 def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict], tolerance: dict,
-                calibration_gb_s: float, band_source: str = "") -> list[dict]:
+                calibration_gb_s: float, band_source: str = "", moves: dict[str, float] | None = None) -> list[dict]:
     """validation.csv's records of one row, one per metric."""
     used = counted(runs)
     records = []
@@ -341,8 +378,10 @@ def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict]
                "real_cv": float(np.std(real) / mean) if mean else 0.0, "real_runs": len(real),
                "contended_runs": sum(r["contended"] for r in used), "reruns": len(runs) - len(used),
                "sim": sim, "rel_error": err, "tolerance": tolerance[kind], "allowed": allowed, "ok": ok,
-               "memory_gb_s": statistics.median(r["memory_gb_s"] for r in used),
+               "memory_gb_s": statistics.median(r["memory_gb_s"] for r in used), "runs_gb_s": runs_gb_s(runs),
                "calibration_memory_gb_s": calibration_gb_s, "_real": real}
+        if moves is not None:
+            rec["sim_moves"] = moves[metric]
         if replicate_m:
             b = band([float(read(m)) for m in replicate_m])
             rec.update(band_p5=b["p5"], band_p50=b["p50"], band_p95=b["p95"], band_width=width(b),
@@ -394,9 +433,10 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
         if i == 0 and app.bands.replicates:
             print(f"  bands: {app.bands.replicates} replicates, each a residual per call and a {noise.describe()}"
                   + (" (this row's own runs left out)" if noise.memory_gb_s else ""), flush=True)
-        sim_m, rep_m = simulate_row(row_cost(cost, mine, app.use_run_bandwidth), row, mine[0]["replay"],
-                                    app.bands.replicates, app.bands.seed, noise)
-        records += compare_row(row, mine, sim_m, rep_m, tolerance, calibration_gb_s, noise.describe())
+        cost_row = row_cost(cost, mine, app.use_run_bandwidth)
+        sim_m, rep_m = simulate_row(cost_row, row, mine[0]["replay"], app.bands.replicates, app.bands.seed, noise)
+        moves = row_moves(cost_row, row, mine[0]["replay"], sim_m, app.sensitivity) if app.sensitivity else None
+        records += compare_row(row, mine, sim_m, rep_m, tolerance, calibration_gb_s, noise.describe(), moves)
         used = counted(mine)
         print(f"  {row.name:14s} {row.scheduler.name:10s} cap={row.scheduler.max_num_seqs}: real "
               f"{statistics.median(r['metrics']['output_throughput_tok_s'] for r in used):.2f} (median of {len(used)}) "
@@ -427,13 +467,17 @@ def add_conformal_bands(records: list[dict], level: float = 0.90) -> None:
 
 def format_validation(df: pd.DataFrame) -> str:
     """Per metric: median and worst |error| against the real median, how many rows pass
-    max(tolerance, half the spread), the real runs' median CV, band coverage and median width."""
+    max(tolerance, half the spread), the real runs' median CV, how far the simulation moves with
+    the machine's speed (median; and in how many rows past the tolerance), band coverage and
+    median width."""
     rows = []
     for metric, _, _ in METRICS:
         sel = df[df.metric == metric]
         errs = sel.rel_error.abs()
         line = [metric, f"{errs.median():.1%}", f"{errs.max():.1%}", f"{sel.tolerance.iloc[0]:.0%}",
                 f"{int(sel.ok.sum())}/{len(sel)}", f"{sel.real_cv.median():.1%}"]
+        if "sim_moves" in sel:
+            line += [f"{sel.sim_moves.median():.1%}", f"{int((sel.sim_moves > sel.tolerance).sum())}"]
         for kind in ("band", "conformal"):
             if f"{kind}_hits" in sel:
                 has = sel[sel[f"{kind}_hits"].notna()]
@@ -441,6 +485,8 @@ def format_validation(df: pd.DataFrame) -> str:
                          if len(has) else ["", ""])
         rows.append(line)
     head = ["metric", "median |err|", "worst |err|", "tolerance", "pass", "real CV"]
+    if "sim_moves" in df:
+        head += ["sim moves", "ill-conditioned"]
     if "band_hits" in df:
         head += ["in 90% band", "band width"]
     if "conformal_hits" in df:
@@ -455,6 +501,12 @@ def coverage(df: pd.DataFrame, kind: str = "band") -> float:
     return float(has[f"{kind}_hits"].sum() / has.real_runs.sum())
 
 
+def ill_conditioned(df: pd.DataFrame) -> int:
+    """Comparisons whose simulation moves past their metric's tolerance with a small change of the
+    machine's speed (``sim_moves``): a miss there says more about the metric than the simulator."""
+    return int((df.sim_moves > df.tolerance).sum())
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="validate")
 def main(cfg) -> None:
     app: ValidateApp = to_object(cfg, runs_model=True)
@@ -466,6 +518,9 @@ def main(cfg) -> None:
           f"{flagged} rows kept a contended run (flagged)"
           + (f"; band coverage {coverage(df):.0%} (replicates)" if "band_hits" in df else "")
           + (f", {coverage(df, 'conformal'):.0%} (leave-one-row-out)" if "conformal_hits" in df else "")
+          + (f"; {ill_conditioned(df)} comparisons move past their tolerance when every call is "
+             f"{app.sensitivity:.0%} slower or faster (sim_moves), {ill_conditioned(df[~df.ok])} of those that miss"
+             if "sim_moves" in df else "")
           + f"; wrote {out_dir / 'validation.csv'}")
 
 

@@ -60,16 +60,23 @@ class CostModelExecutor:
     """A step spends ``before_call_s`` (scheduling, packing) before its model call, as the real
     loop does; the call takes ``predict(plan)`` (plus the profile's ``after_idle_s`` extra when the
     engine sat idle before it) and its tokens come out at its end; the rest of
-    ``step_overhead_s`` (sampling bookkeeping, the loop) passes before the next step can start."""
+    ``step_overhead_s`` (sampling bookkeeping, the loop) passes before the next step can start.
+    ``time_scale`` stretches all of it (not how long a rest must be to cost the extra: arrivals
+    set that): the same machine that much slower (or faster, below 1), for asking how much a
+    prediction moves with a machine's speed (validate's sensitivity)."""
 
-    def __init__(self, cost_model: AnyCostModel) -> None:
+    def __init__(self, cost_model: AnyCostModel, time_scale: float = 1.0) -> None:
+        if not time_scale > 0:
+            raise ValueError(f"time_scale must be positive, got {time_scale!r}")
         self.cost_model = cost_model
+        self.time_scale = time_scale
         self._predict = cost_model.predict
-        self._predict_decodes = cost_model.predict_decodes
-        self._before = cost_model.before_call_s
-        self._after = cost_model.step_overhead_s - self._before
-        self._idle_after_s, self._idle_extra_s = cost_model.after_idle_s
+        self._before = cost_model.before_call_s * time_scale
+        self._after = (cost_model.step_overhead_s - cost_model.before_call_s) * time_scale
+        self._idle_after_s, idle_extra_s = cost_model.after_idle_s
+        self._idle_extra_s = idle_extra_s * time_scale
         self._idle_s = 0.0
+        self._decode_terms: dict[int, tuple[float, float]] = {}  # by count: (fixed, per context), scaled
         self._decode_costs: dict[int, tuple[float, float, float, float]] = {}  # by count: a run's costs
 
     def start(self, now: float) -> float:
@@ -84,8 +91,18 @@ class CostModelExecutor:
     def call_s(self, plan: BatchPlan) -> float:
         """The model call's duration."""
         if plan.ids:
-            return self._predict(plan)
-        return self._predict_decodes(plan.lane_size, plan.lane_context_sum)  # decodes together, counted
+            return self._predict(plan) * self.time_scale
+        fixed, per_context = self.decode_terms(plan.lane_size)  # decodes together, counted
+        return fixed + per_context * plan.lane_context_sum
+
+    def decode_terms(self, num_decodes: int) -> tuple[float, float]:
+        """(fixed, per context token) of a decodes-only call, time-scaled: one pair for stepping
+        and for runs of steps (decode_costs), so both give the same floats at any scale."""
+        terms = self._decode_terms.get(num_decodes)
+        if terms is None:
+            fixed, per_context = self.cost_model.decode_cost_terms(num_decodes)
+            terms = self._decode_terms[num_decodes] = (fixed * self.time_scale, per_context * self.time_scale)
+        return terms
 
     def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:
         duration = self.call_s(plan)
@@ -98,8 +115,7 @@ class CostModelExecutor:
     def decode_costs(self, num_decodes: int) -> tuple[float, float, float, float] | None:
         costs = self._decode_costs.get(num_decodes)
         if costs is None:
-            costs = self._decode_costs[num_decodes] = (
-                self._before, *self.cost_model.decode_cost_terms(num_decodes), self._after)
+            costs = self._decode_costs[num_decodes] = (self._before, *self.decode_terms(num_decodes), self._after)
         return costs
 
 

@@ -132,7 +132,14 @@ def test_tiny_validation_writes_the_error_table(tmp_path, tiny_profile):
     burst_calls = df[(df.workload == "seed_burst") & (df.metric == "model_calls")]
     assert (burst_calls.real == burst_calls.sim).all()
     assert (df.memory_gb_s > 0).all()  # each real run carries the memory bandwidth it ran at
+    assert (df.runs_gb_s > 0).all()  # and the row the bandwidth its runs' calls saw (use_run_bandwidth's)
     assert "median |err|" in out.stdout and "GB/s" in out.stdout
+    # how far each simulated metric moves with the machine 2% slower or faster: a burst (all at
+    # t=0) keeps its plans, so its calls do not move and its throughput moves by the speed exactly
+    burst = df[df.workload == "seed_burst"].set_index(["scheduler", "metric"]).sim_moves
+    assert (df.sim_moves >= 0).all() and (burst.xs("model_calls", level="metric") == 0).all()
+    assert burst.xs("output_throughput", level="metric").to_numpy() == pytest.approx(1 / 0.98 - 1, rel=1e-3)
+    assert "ill-conditioned" in out.stdout and "2% slower or faster" in out.stdout
     report_dir = tmp_path / "report"
     run_app("experiments.report", f"validate_dir={tmp_path}", f"hydra.run.dir={report_dir}")
     assert (report_dir / "sim_vs_real.png").is_file()

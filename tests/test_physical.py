@@ -226,3 +226,19 @@ def test_validate_prices_a_row_at_its_real_runs_bandwidth():
     at_run, _ = simulate_row(row_cost(cost, [run], True), row, run["replay"], 0, 0)
     assert at_calibration["output_throughput_tok_s"] < 0.1 * at_run["output_throughput_tok_s"]
     assert run["memory_gb_s"] > 1
+
+
+def test_validate_prices_a_row_at_the_bandwidth_its_runs_calls_saw():
+    """use_run_bandwidth takes each run's calls' bandwidth (calls_gb_s) over the probe's stamp (a
+    0.1 s probe around the run misses spells inside it), the stamp where no bandwidth fit the
+    calls, and the median over the row's counted runs (a flagged attempt that was re-run is out)."""
+    from experiments.validate import row_cost
+
+    tiny = ModelConfig(name="tiny", num_threads=1, device="cpu")
+    cost = physical_model(PhysicalShape.of(model_shape(tiny), "float32"), Machine(30.0, 100.0))
+    runs = [{"repeat": 0, "attempt": 0, "memory_gb_s": 50.0, "calls_gb_s": 10.0},  # re-run below: not counted
+            {"repeat": 0, "attempt": 1, "memory_gb_s": 50.0, "calls_gb_s": 21.0},
+            {"repeat": 1, "attempt": 0, "memory_gb_s": 50.0, "calls_gb_s": 22.0},
+            {"repeat": 2, "attempt": 0, "memory_gb_s": 24.0, "calls_gb_s": None}]
+    assert row_cost(cost, runs, True).machine.memory_gb_s == 22.0
+    assert row_cost(cost, runs, False) is cost

@@ -87,6 +87,21 @@ def test_the_overhead_before_the_call_delays_the_tokens_as_in_the_real_loop():
 
 
 
+def test_a_time_scale_stretches_every_call_and_the_time_around_it():
+    # one request on a machine 1.5x slower: 0.03 before each call and 0.045 after it, calls 1.5x,
+    # the repeated-decode runs too (decode_costs), so every token time is 1.5x the base run's
+    cost = cost_model_from(step_overhead_s=0.05, const=0.1, prefill_tokens=0.01, decode_context=0.001)
+    cost = replace(cost, info={"step_overhead": {"before_call_median_s": 0.02}})
+    base = simulate(one_request(arrival_s=0.0), SchedulerConfig(name="continuous"), lambda: CostModelExecutor(cost))
+    slow = simulate(one_request(arrival_s=0.0), SchedulerConfig(name="continuous"),
+                    lambda: CostModelExecutor(cost, 1.5))
+    assert slow.records[0].token_times_s == pytest.approx([1.5 * t for t in base.records[0].token_times_s], abs=1e-12)
+    assert CostModelExecutor(cost, 1.5).decode_costs(3) == pytest.approx(
+        tuple(1.5 * x for x in CostModelExecutor(cost).decode_costs(3)))
+    with pytest.raises(ValueError, match="time_scale"):
+        CostModelExecutor(cost, 0.0)
+
+
 def test_the_first_call_after_the_engine_sat_idle_costs_the_profiles_extra():
     # a call after >= 0.1 s of idle takes 0.03 s more (calibration.profiler.measure_after_idle)
     cost = cost_model_from(const=0.1)
@@ -293,19 +308,19 @@ def test_a_run_leaves_the_cyclic_collector_as_it_found_it():
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(["serial", "static", "continuous"]), seqs=st.integers(1, 8),
        blocks=st.integers(12, 60), rate=st.floats(5.0, 2000.0), seed=st.integers(0, 1000),
-       keep=st.booleans())
-def test_running_repeated_decode_steps_at_once_changes_no_token_time(name, seqs, blocks, rate, seed, keep):
+       keep=st.booleans(), scale=st.sampled_from([1.0, 0.98, 1.5]))
+def test_running_repeated_decode_steps_at_once_changes_no_token_time(name, seqs, blocks, rate, seed, keep, scale):
     """EngineCore.repeat_decodes is a shortcut: the same token times, step count and metrics as
     launching and landing every step (plans identical too: the decode steps it skips are the
-    repeat of the plan before, which the step loop's own test holds)."""
+    repeat of the plan before, which the step loop's own test holds), at any time scale."""
     config = SchedulerConfig(name=name, max_num_seqs=seqs, max_num_batched_tokens=32, long_prefill_token_threshold=16,
                              num_kv_blocks=blocks, block_size=4)
     wl = WorkloadConfig(arrival="poisson", num_requests=40, rate=rate, seed=seed,
                         prompt=LengthDist(kind="uniform", value=2, max=20), output=LengthDist(kind="uniform", value=1, max=40))
     runs = []
     for repeat in (True, False):
-        sim = Simulation(config, lambda: CostModelExecutor(COST), keep_token_times=keep, repeat_decodes=repeat,
-                         check=True)
+        sim = Simulation(config, lambda: CostModelExecutor(COST, scale), keep_token_times=keep,
+                         repeat_decodes=repeat, check=True)
         result = sim.run(make_requests(generate(wl)))
         times = ({r.request_id: r.token_times_s for r in result.records} if keep else None)
         metrics = result.metrics()
