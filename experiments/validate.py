@@ -335,17 +335,25 @@ def row_run_noise(cost: AnyCostModel, runs: list[dict], row: int, draw: str, his
     return base.with_stamps(stamps, f"{len(others)} of other rows' real runs, {how}")
 
 
+def replay_requests(replay: list[tuple]) -> list[Request]:
+    """Fresh requests with a real run's arrivals and lengths (real_runs.json's ``replay``)."""
+    return [Request(rid, range(p), o, arrival_s=a) for rid, a, p, o in replay]
+
+
+def simulate_replay(cost: AnyCostModel, row: Row, replay: list[tuple], time_scale: float = 1.0) -> dict:
+    """The deterministic simulation of a row's replay: its metrics, with the trace's."""
+    sim = simulate(replay_requests(replay), row.scheduler, lambda: CostModelExecutor(cost, time_scale),
+                   keep_steps=True)
+    return with_trace(sim.metrics(), sim.trace_calls(), row.scheduler.max_num_seqs)
+
+
 def simulate_row(cost: AnyCostModel, row: Row, replay: list[tuple], keep: int, seed: int,
                  run_noise: RunNoise | None = None) -> tuple[dict, list[dict]]:
     """The deterministic simulation on the real run's arrivals and lengths, and ``keep`` noisy replicates."""
-    def requests() -> list[Request]:
-        return [Request(rid, range(p), o, arrival_s=a) for rid, a, p, o in replay]
-
     cap = row.scheduler.max_num_seqs
-    sim = simulate(requests(), row.scheduler, lambda: CostModelExecutor(cost), keep_steps=True)
-    reps = replicates(requests, row.scheduler, cost, keep, seed, run_noise=run_noise, keep_steps=True) if keep else []
-    return (with_trace(sim.metrics(), sim.trace_calls(), cap),
-            [with_trace(r.metrics(), r.trace_calls(), cap) for r in reps])
+    reps = (replicates(lambda: replay_requests(replay), row.scheduler, cost, keep, seed, run_noise=run_noise,
+                       keep_steps=True) if keep else [])
+    return simulate_replay(cost, row, replay), [with_trace(r.metrics(), r.trace_calls(), cap) for r in reps]
 
 
 def row_moves(cost: AnyCostModel, row: Row, replay: list[tuple], sim_m: dict, by: float) -> dict[str, float]:
@@ -354,11 +362,7 @@ def row_moves(cost: AnyCostModel, row: Row, replay: list[tuple], sim_m: dict, by
     request just makes or just misses decides a percentile, a machine 2% slower or faster can move
     it by tens of percent: a metric that moves past its tolerance so is ill-conditioned, and a
     prediction of it is only as good as the machine's speed is known."""
-    moved = []
-    for scale in (1 - by, 1 + by):
-        requests = [Request(rid, range(p), o, arrival_s=a) for rid, a, p, o in replay]
-        sim = simulate(requests, row.scheduler, lambda scale=scale: CostModelExecutor(cost, scale), keep_steps=True)
-        moved.append(with_trace(sim.metrics(), sim.trace_calls(), row.scheduler.max_num_seqs))
+    moved = [simulate_replay(cost, row, replay, scale) for scale in (1 - by, 1 + by)]
     return {metric: max(abs(rel_error(float(read(sim_m)), float(read(m)))) for m in moved)
             for metric, read, _ in METRICS}
 
