@@ -298,11 +298,16 @@ def row_cost(cost: AnyCostModel, runs: list[dict], use_run_bandwidth: bool) -> A
     return at_run_bandwidth(cost, runs_gb_s(runs))
 
 
+def run_gb_s(run: dict) -> float:
+    """The read bandwidth a real run saw: its calls' (``calls_gb_s``), the probe's stamp where no
+    bandwidth fits its calls."""
+    calls = run.get("calls_gb_s")
+    return run["memory_gb_s"] if calls is None else calls
+
+
 def runs_gb_s(runs: list[dict]) -> float:
-    """The read bandwidth a row's counted real runs saw: the median of their calls' (the stamp of
-    a run whose calls fit none)."""
-    return statistics.median(r["memory_gb_s"] if r.get("calls_gb_s") is None else r["calls_gb_s"]
-                             for r in counted(runs))
+    """The read bandwidth a row's counted real runs saw: the median of ``run_gb_s``."""
+    return statistics.median(run_gb_s(r) for r in counted(runs))
 
 
 def run_calls_gb_s(physical: PhysicalCostModel | None, run: dict) -> float | None:
@@ -327,9 +332,8 @@ def row_run_noise(cost: AnyCostModel, runs: list[dict], row: int, draw: str, his
         stamps = calibration_stamps(cost.info)
         base = RunNoise(tuple(stamps), base.round_log, f"{len(stamps)} calibration stamps")
     others = [r for r in runs if r["row"] != row]
-    seen = [r.get("calls_gb_s") if history == "calls" else None for r in others]
-    stamps = [s or r.get("memory_gb_s") for s, r in zip(seen, others)]  # the stamp where the calls fit none
-    called = sum(s is not None for s in seen)
+    stamps = [run_gb_s(r) if history == "calls" else r["memory_gb_s"] for r in others]
+    called = sum(r.get("calls_gb_s") is not None for r in others) if history == "calls" else 0
     how = "stamped" if not called else "as their calls saw it" if called == len(others) else \
         f"{called} as their calls saw it, the rest stamped"
     return base.with_stamps(stamps, f"{len(others)} of other rows' real runs, {how}")
@@ -371,6 +375,7 @@ def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict]
                 calibration_gb_s: float, band_source: str = "", moves: dict[str, float] | None = None) -> list[dict]:
     """validation.csv's records of one row, one per metric."""
     used = counted(runs)
+    seen_gb_s = runs_gb_s(runs)
     records = []
     for metric, read, kind in METRICS:
         real = [float(read(r["metrics"])) for r in used]
@@ -382,7 +387,7 @@ def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict]
                "real_cv": float(np.std(real) / mean) if mean else 0.0, "real_runs": len(real),
                "contended_runs": sum(r["contended"] for r in used), "reruns": len(runs) - len(used),
                "sim": sim, "rel_error": err, "tolerance": tolerance[kind], "allowed": allowed, "ok": ok,
-               "memory_gb_s": statistics.median(r["memory_gb_s"] for r in used), "runs_gb_s": runs_gb_s(runs),
+               "memory_gb_s": statistics.median(r["memory_gb_s"] for r in used), "runs_gb_s": seen_gb_s,
                "calibration_memory_gb_s": calibration_gb_s, "_real": real}
         if moves is not None:
             rec["sim_moves"] = moves[metric]
@@ -420,7 +425,7 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
         r["calls_gb_s"] = run_calls_gb_s(physical, r)
     if not app.real_runs:  # fresh runs join this machine's history, for later calibrations' profiles
         threads = app.model.num_threads or cost.info.get("measured_on", {}).get("threads") or os.cpu_count()
-        bandwidth_history.record(threads, [r["calls_gb_s"] or r["memory_gb_s"] for r in runs], "validate run")
+        bandwidth_history.record(threads, [run_gb_s(r) for r in runs], "validate run")
     (out_dir / "real_runs.json").write_text(json.dumps(runs))
     pd.DataFrame.from_records([{"row": r["row"], "workload": rows[r["row"]].name,
                                 "scheduler": rows[r["row"]].scheduler.name,
@@ -481,7 +486,7 @@ def format_validation(df: pd.DataFrame) -> str:
         line = [metric, f"{errs.median():.1%}", f"{errs.max():.1%}", f"{sel.tolerance.iloc[0]:.0%}",
                 f"{int(sel.ok.sum())}/{len(sel)}", f"{sel.real_cv.median():.1%}"]
         if "sim_moves" in sel:
-            line += [f"{sel.sim_moves.median():.1%}", f"{int((sel.sim_moves > sel.tolerance).sum())}"]
+            line += [f"{sel.sim_moves.median():.1%}", f"{ill_conditioned(sel)}"]
         for kind in ("band", "conformal"):
             if f"{kind}_hits" in sel:
                 has = sel[sel[f"{kind}_hits"].notna()]
