@@ -2,17 +2,17 @@
 
 Full mode keeps engine.observe.metrics.RequestRecord (every token time), exactly as real runs do, and
 summarizes with engine.observe.metrics.summarize. Compact mode, for runs of a million requests, keeps a
-few numbers per request in typed arrays and streams inter-token latencies into a log-binned
-histogram: TTFT, TPOT, E2E and queue distributions stay exact, ITL mean and std are exact up to
-rounding (a run's gaps come from the cost model's terms, equal to its end times' differences up to
-rounding) and ITL percentiles are within ``RELATIVE_ERROR``. Both give metrics.json the same keys.
+few numbers per request (a row, sealed into float64 blocks every ROWS_PER_BLOCK) and streams
+inter-token latencies into a log-binned histogram: TTFT, TPOT, E2E and queue distributions stay
+exact, ITL mean and std are exact up to rounding (a run's gaps come from the cost model's terms,
+equal to its end times' differences up to rounding) and ITL percentiles are within
+``RELATIVE_ERROR``. Both give metrics.json the same keys.
 """
 
 from __future__ import annotations
 
 import math
 from typing import ClassVar
-from array import array
 from pathlib import Path
 
 import numpy as np
@@ -27,12 +27,14 @@ BINS_PER_DECADE = 1000
 LOW_DECADE, HIGH_DECADE = -9, 6  # 1 ns … 11.6 days
 RELATIVE_ERROR = 10 ** (0.5 / BINS_PER_DECADE) - 1  # half a bin: 0.12 %
 FLUSH_AT = 1 << 16  # gaps buffered before they are binned
+ROWS_PER_BLOCK = 1 << 12  # compact request rows listed before they are sealed into a block
 
 
 class ItlSketch:
     """Streaming inter-token latencies: exact count, mean and std; percentiles from log bins.
 
-    Gaps are buffered as typed arrays and binned FLUSH_AT at a time: single weighted gaps, unit
+    Gaps are buffered in lists (a compiled build appends to a list natively; a typed array's
+    append parses its argument each time) and binned FLUSH_AT at a time: single weighted gaps, unit
     gaps (a request's own), and arithmetic series (the steps of a run of decodes advanced at once,
     stored as four numbers and spelt out in numpy when binned)."""
 
@@ -42,13 +44,10 @@ class ItlSketch:
         self.n = 0
         self.mean = 0.0
         self.m2 = 0.0
-        self._gaps = array("d")  # weighted by _weights
-        self._weights = array("q")
-        self._unit_gaps = array("d")  # weight 1
-        self._series_first = array("d")  # series: first gap, increment, length, weight
-        self._series_step = array("d")
-        self._series_num = array("q")
-        self._series_count = array("q")
+        self._gaps: list[float] = []  # weighted by _weights
+        self._weights: list[int] = []
+        self._unit_gaps: list[float] = []  # weight 1
+        self._series: list[tuple[float, float, int, int]] = []  # first gap, increment, length, weight
         self._buffered = 0
 
     def add(self, gap_s: float, count: int = 1) -> None:
@@ -62,17 +61,14 @@ class ItlSketch:
     def add_series(self, first_s: float, step_s: float, num: int, count: int) -> None:
         """``num`` gaps ``first_s + i × step_s`` (i = 0 … num − 1), ``count`` of each (a run of
         decode steps of ``count`` members, each step one context token per member longer)."""
-        self._series_first.append(first_s)
-        self._series_step.append(step_s)
-        self._series_num.append(num)
-        self._series_count.append(count)
+        self._series.append((first_s, step_s, num, count))
         self._buffered += num
         if self._buffered >= FLUSH_AT:
             self._flush()
 
     def add_gaps(self, gaps: list[float]) -> None:
         """Single gaps (a finished request's, those no uniform step counted)."""
-        self._unit_gaps.extend(gaps)
+        self._unit_gaps += gaps
         self._buffered += len(gaps)
         if self._buffered >= FLUSH_AT:
             self._flush()
@@ -91,13 +87,13 @@ class ItlSketch:
         others are spelt out."""
         if not self._buffered:
             return
-        gaps = np.concatenate([np.frombuffer(self._gaps, dtype=np.float64), np.frombuffer(self._unit_gaps, dtype=np.float64)])
-        weights = np.concatenate([np.frombuffer(self._weights, dtype=np.int64), np.ones(len(self._unit_gaps), dtype=np.int64)])
-        first, step = _numpy(self._series_first), _numpy(self._series_step)
-        num, count = _numpy(self._series_num), _numpy(self._series_count)
-        self._gaps, self._weights, self._unit_gaps = array("d"), array("q"), array("d")
-        self._series_first, self._series_step = array("d"), array("d")
-        self._series_num, self._series_count = array("q"), array("q")
+        gaps = np.array(self._gaps + self._unit_gaps, dtype=np.float64)
+        weights = np.concatenate([np.array(self._weights, dtype=np.int64),
+                                  np.ones(len(self._unit_gaps), dtype=np.int64)])
+        table = np.array(self._series, dtype=np.float64).reshape(-1, 4)  # lengths, weights: exact below 2**53
+        first, step = table[:, 0], table[:, 1]
+        num, count = table[:, 2].astype(np.int64), table[:, 3].astype(np.int64)
+        self._gaps, self._weights, self._unit_gaps, self._series = [], [], [], []
         self._buffered = 0
         keep = weights > 0
         gaps, weights = gaps[keep], weights[keep]
@@ -148,12 +144,6 @@ class ItlSketch:
         return out
 
 
-def _numpy(a: array) -> np.ndarray:
-    """A typed array's values without a copy ('d': float64, 'q': int64)."""
-    dtype = np.float64 if a.typecode == "d" else np.int64
-    return np.frombuffer(a, dtype=dtype) if a else np.zeros(0, dtype=dtype)
-
-
 class RequestLog:
     """Finished requests of one simulated run."""
 
@@ -164,15 +154,9 @@ class RequestLog:
         self.keep_token_times = keep_token_times
         self.records: list[RequestRecord] = []
         self.ids: list[str] = []
-        self.arrival = array("d")
-        self.first_scheduled = array("d")
-        self.first_token = array("d")
-        self.finish = array("d")
-        self.prompt = array("q")
-        self.output = array("q")
-        self.preemptions = array("q")
-        self.cached = array("q")
-        self.lookups = array("q")
+        # compact rows (COLUMNS' order; counts exact in float64 below 2**53): listed, then sealed in blocks
+        self._rows: list[tuple[float, float, float, float, int, int, int, int, int]] = []
+        self._blocks: list[np.ndarray] = []
         self.statuses: list[RequestStatus] = []
         self.itl = ItlSketch()
 
@@ -187,28 +171,40 @@ class RequestLog:
         first_scheduled = request.first_scheduled_s
         self.ids.append(request.request_id)
         self.statuses.append(request.status)
-        self.arrival.append(request.arrival_s)
-        self.first_scheduled.append(math.nan if first_scheduled is None else first_scheduled)
-        self.first_token.append(times[0] if times else math.nan)
-        self.finish.append(times[-1] if times else math.nan)
-        self.prompt.append(request.num_prompt_tokens)
-        self.output.append(request.num_output_tokens)  # compact: times holds each lane stay's ends only
-        self.preemptions.append(request.num_preemptions)
-        self.cached.append(request.num_cached_tokens)
-        self.lookups.append(request.num_lookup_tokens)
+        self._rows.append((request.arrival_s, math.nan if first_scheduled is None else first_scheduled,
+                           times[0] if times else math.nan, times[-1] if times else math.nan,
+                           request.num_prompt_tokens,
+                           request.num_output_tokens,  # compact: times holds each lane stay's ends only
+                           request.num_preemptions, request.num_cached_tokens, request.num_lookup_tokens))
+        if len(self._rows) >= ROWS_PER_BLOCK:
+            self._seal()
         self.itl.add_gaps(request.gaps_outside_lane_steps())
 
     @property
     def total_output_tokens(self) -> int:
         if self.keep_token_times:
             return sum(r.output_tokens for r in self.records)
-        return int(np.frombuffer(self.output, dtype=np.int64).sum()) if self.output else 0
+        return int(self._table()[:, self.COLUMNS.index("output")].sum())
+
+    def _seal(self) -> None:
+        if self._rows:
+            self._blocks.append(np.array(self._rows, dtype=np.float64))
+            self._rows = []
+
+    def _table(self) -> np.ndarray:
+        """Every compact row so far: (requests, len(COLUMNS)) float64."""
+        self._seal()
+        if len(self._blocks) > 1:
+            self._blocks = [np.concatenate(self._blocks)]
+        return self._blocks[0] if self._blocks else np.zeros((0, len(self.COLUMNS)))
 
     def columns(self) -> dict[str, np.ndarray]:
         """Per-request arrays (either mode): engine.observe.metrics.request_columns."""
         if self.keep_token_times:
             return record_columns(self.records)
-        return request_columns(*(_numpy(getattr(self, name)) for name in self.COLUMNS))
+        table = self._table()
+        times = [table[:, i] for i in range(4)]  # arrival, first scheduled, first token, finish
+        return request_columns(*times, *(table[:, i].astype(np.int64) for i in range(4, len(self.COLUMNS))))
 
     def summarize(self, duration_s: float | None = None, slo_ttft_s: float | None = None,
                   slo_tpot_s: float | None = None, slo_e2el_s: float | None = None) -> dict:

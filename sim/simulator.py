@@ -128,8 +128,7 @@ class Replica:
         ``env.now`` only orders events. In open loop, a wait that no other event falls into
         (``env.peek()`` is later) is not yielded to SimPy: nothing could observe it."""
         env, core, executor, sim = self.env, self.core, self.executor, self.sim
-        launch, land = core.launch, core.land
-        state, arrivals = core.state, core.arrivals
+        state, arrivals = core.state, core.arrivals  # (core's methods are called on it: compiled, natively)
         timeout, peek = env.timeout, env.peek
         steps, series, log = sim.steps, sim.timeseries, sim.log
         kv, waiting, running, finished_list = state.kv, state.waiting, state.running, state.finished
@@ -148,7 +147,7 @@ class Replica:
                 now = start
             if idle_from is not None:
                 rest(now - idle_from)
-            launched = launch(now, executor)
+            launched = core.launch(now, executor)
             if launched is None:
                 if idle_from is None:
                     idle_from = now
@@ -179,7 +178,7 @@ class Replica:
             unobserved = on_finish is None and until_s > ready  # no event before the next step
             if not unobserved:
                 yield timeout(end - env.now)
-            finished = land(plan, result, now)
+            finished = core.land(plan, result, now)
             if check:
                 state.check_invariants()
             if itl is not None:

@@ -439,6 +439,32 @@ def test_a_run_grants_blocks_as_stepping_does_and_stops_where_the_pool_runs_shor
     assert run_lane.times_since(0) == step_lane.times_since(0) == [float(j + 1) for j in range(steps)]
 
 
+def test_compact_request_log_holds_what_full_records_hold_across_its_blocks():
+    """Compact rows are sealed into float64 blocks every ROWS_PER_BLOCK requests: the columns read
+    back equal the full records' (times bitwise, counts exactly, a never-scheduled request's NaN),
+    and so do the inter-token gaps, whatever block a request landed in."""
+    import numpy as np
+
+    from engine.core.request import RequestStatus
+    from sim.records import ROWS_PER_BLOCK, RequestLog
+    full, compact = RequestLog(keep_token_times=True), RequestLog(keep_token_times=False)
+    for i in range(ROWS_PER_BLOCK + 37):
+        request = Request(f"r{i}", range(1 + i % 700), 1 + i % 5, arrival_s=i * 0.1 + 1 / 3)
+        request.first_scheduled_s = None if i % 11 == 0 else request.arrival_s + i * 1e-3
+        request.num_preemptions, request.num_cached_tokens, request.num_lookup_tokens = i % 3, 2**40 + i, 3 * i
+        for j in range(i % 4):
+            request.append_output(None, request.arrival_s + 0.5 + j * (0.01 + i * 1e-7))
+        request.status = RequestStatus.FINISHED_LENGTH
+        full.add(request)
+        compact.add(request)
+    a, b = full.columns(), compact.columns()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name], equal_nan=True), name
+    assert compact.total_output_tokens == full.total_output_tokens == sum(i % 4 for i in range(ROWS_PER_BLOCK + 37))
+    assert compact.itl.distribution() == pytest.approx(full.summarize()["itl_s"], rel=5e-3)
+
+
 def test_itl_sketch_counts_series_of_gaps_and_single_ones():
     import numpy as np
 

@@ -150,7 +150,9 @@ class EngineCore:
         costs = decode_costs(state.num_decoding)
         if costs is None:
             return 0, start_s, start_s, []
-        steps, end, ready, finished = state.repeat_decodes(start_s, *costs, arrival_s, until_s, gaps)
+        before_s, step_s, per_context_s, overhead_s = costs  # named: a compiled build then calls natively
+        steps, end, ready, finished = state.repeat_decodes(start_s, before_s, step_s, per_context_s, overhead_s,
+                                                           arrival_s, until_s, gaps)
         if finished:
             self._steady = not state.waiting  # as land() after a step in which requests finish
         return steps, end, ready, finished

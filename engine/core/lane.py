@@ -13,7 +13,7 @@ O(1) and costs a few floating-point operations per step, plus its block grants a
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right, insort
+from bisect import insort
 from heapq import heappop, heappush
 from collections.abc import Callable
 from operator import attrgetter
@@ -23,9 +23,35 @@ from engine.core.block_pool import KVBlockPool
 from engine.core.request import Request
 
 BY_ADMISSION = attrgetter("admit_seq")  # running order
-BY_CLOCK = attrgetter("clock")  # the lane's stored runs, in clock order
 
 COMPACT_EVERY = 1 << 12  # end times listed or runs stored between dropping those no member needs
+
+
+# Binary searches written as loops rather than bisect's key=: compiled, they read the attribute
+# natively, where a key calls back into Python at every probe (a leave and a finish run both).
+def member_index(members: list[Request], admit_seq: int) -> int:
+    """Where a request admitted ``admit_seq``-th sits (or would) in ``members`` (running order):
+    bisect_left by admission."""
+    lo, hi = 0, len(members)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if members[mid].admit_seq < admit_seq:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def run_index(runs: list[TimesRun], clock: int) -> int:
+    """The last of ``runs`` (clock order) starting at or before ``clock``: bisect_right by clock, less one."""
+    lo, hi = 0, len(runs)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if clock < runs[mid].clock:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo - 1
 
 
 class TimesRun:
@@ -112,7 +138,7 @@ class DecodeLane:
         if joined >= self.clock:
             return []
         runs = self._runs
-        r = bisect_right(runs, joined, key=BY_CLOCK) - 1
+        r = run_index(runs, joined)
         ends = runs[r].ends_from(joined - runs[r].clock)
         for i in range(r + 1, len(runs)):
             ends += runs[i].ends_from(0)
@@ -120,7 +146,7 @@ class DecodeLane:
 
     def _end_at(self, clock: int) -> float:
         """The end of the advance that took the lane to ``clock``."""
-        run = self._runs[bisect_right(self._runs, clock - 1, key=BY_CLOCK) - 1]
+        run = self._runs[run_index(self._runs, clock - 1)]
         return run.end(clock - 1 - run.clock)
 
     @property
@@ -140,7 +166,7 @@ class DecodeLane:
             self._ids.append(request.request_id)
             self._offsets.append(request._computed)
         else:
-            i = bisect_left(members, request.admit_seq, key=BY_ADMISSION)
+            i = member_index(members, request.admit_seq)
             members.insert(i, request)
             self._ids.insert(i, request.request_id)
             self._offsets.insert(i, request._computed)
@@ -158,7 +184,7 @@ class DecodeLane:
         """Write the member's progress back onto it."""
         if request.lane_joined == self.clock:
             self._num_joined_now -= 1
-        i = bisect_left(self.members, request.admit_seq, key=BY_ADMISSION)
+        i = member_index(self.members, request.admit_seq)
         del self.members[i], self._ids[i], self._offsets[i]
         self._offset_sum -= request._computed
         self._unfile(self._finish_at, request.max_tokens - request._num_output, request)
@@ -369,13 +395,15 @@ class DecodeLane:
         if self._stored >= self._compact_at:
             self._compact()
         done = self._finish_at.get(self.clock)
-        return sorted(done, key=BY_ADMISSION) if done else []
+        if not done:
+            return []
+        return [done[0]] if len(done) == 1 else sorted(done, key=BY_ADMISSION)  # (a copy: leaving unfiles them)
 
     def _compact(self) -> None:
         """Drop the end times of advances up to the oldest member's join: nobody reads them."""
         oldest = min((r.lane_joined for r in self.members), default=self.clock)
         runs = self._runs
-        r = bisect_right(runs, oldest, key=BY_CLOCK) - 1  # the run holding the advance after `oldest`
+        r = run_index(runs, oldest)  # the run holding the advance after `oldest`
         dropped = 0
         if r > 0:
             dropped = sum([len(run.ends) if run.ends is not None else 1 for run in runs[:r]])

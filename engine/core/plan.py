@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 LaneIds = Callable[[], tuple[tuple[str, ...], tuple[int, ...]]]
 PHASE_LABELED = ("serial", "static")  # policies whose calls the seed labelled by phase and batch
@@ -185,11 +184,21 @@ class BatchPlan:
     __hash__ = None  # type: ignore[assignment]
 
 
-class StepResult(NamedTuple):
+class StepResult:
     """What executing a plan produced: one token per sampling entry (None in simulation), how
-    long the model call took, when its tokens came out and when the next step may start."""
+    long the model call took, when its tokens came out and when the next step may start.
+    A plain class, not a NamedTuple: one is made per step, and a compiled build makes a class
+    of its own in C where a NamedTuple's constructor runs in the interpreter."""
 
-    token_ids: tuple[int, ...] | None
-    duration_s: float
-    end_s: float = 0.0
-    ready_s: float = 0.0
+    __slots__ = ("token_ids", "duration_s", "end_s", "ready_s")
+
+    def __init__(self, token_ids: tuple[int, ...] | None, duration_s: float, end_s: float = 0.0,
+                 ready_s: float = 0.0) -> None:
+        self.token_ids = token_ids
+        self.duration_s = duration_s
+        self.end_s = end_s
+        self.ready_s = ready_s
+
+    def __repr__(self) -> str:
+        return (f"StepResult(token_ids={self.token_ids!r}, duration_s={self.duration_s!r}, end_s={self.end_s!r}, "
+                f"ready_s={self.ready_s!r})")
