@@ -2,7 +2,7 @@
 
 Full mode keeps engine.observe.metrics.RequestRecord (every token time), exactly as real runs do, and
 summarizes with engine.observe.metrics.summarize. Compact mode, for runs of a million requests, keeps a
-few numbers per request (a row, sealed into float64 blocks every ROWS_PER_BLOCK) and streams
+few numbers per request (a packed row, ``ROW``, joined into a block every ROWS_PER_BLOCK) and streams
 inter-token latencies into a log-binned histogram: TTFT, TPOT, E2E and queue distributions stay
 exact, ITL mean and std are exact up to rounding (a run's gaps come from the cost model's terms,
 equal to its end times' differences up to rounding) and ITL percentiles are within
@@ -12,7 +12,7 @@ equal to its end times' differences up to rounding) and ITL percentiles are with
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,14 @@ BINS_PER_DECADE = 1000
 LOW_DECADE, HIGH_DECADE = -9, 6  # 1 ns … 11.6 days
 RELATIVE_ERROR = 10 ** (0.5 / BINS_PER_DECADE) - 1  # half a bin: 0.12 %
 FLUSH_AT = 1 << 16  # gaps buffered before they are binned
-ROWS_PER_BLOCK = 1 << 12  # compact request rows listed before they are sealed into a block
+ROWS_PER_BLOCK = 1 << 12  # compact request rows listed before they are joined into a block
+# A compact request row: COLUMNS (request_columns' arguments) in order, four times (s) then five
+# counts, packed in one call per request (a typed array's append parses its argument each time,
+# nine times a request) and read back as a record array
+COLUMNS = ("arrival", "first_scheduled", "first_token", "finish", "prompt", "output", "preemptions", "cached",
+           "lookups")
+ROW = struct.Struct("=4d5q")
+ROW_DTYPE = np.dtype([(name, "=f8") for name in COLUMNS[:4]] + [(name, "=i8") for name in COLUMNS[4:]])
 
 
 class ItlSketch:
@@ -147,16 +154,12 @@ class ItlSketch:
 class RequestLog:
     """Finished requests of one simulated run."""
 
-    COLUMNS: ClassVar[tuple[str, ...]] = ("arrival", "first_scheduled", "first_token", "finish", "prompt", "output",
-                                          "preemptions", "cached", "lookups")
-
     def __init__(self, keep_token_times: bool = True) -> None:
         self.keep_token_times = keep_token_times
         self.records: list[RequestRecord] = []
         self.ids: list[str] = []
-        # compact rows (COLUMNS' order; counts exact in float64 below 2**53): listed, then sealed in blocks
-        self._rows: list[tuple[float, float, float, float, int, int, int, int, int]] = []
-        self._blocks: list[np.ndarray] = []
+        self._rows: list[bytes] = []  # compact rows (ROW) since the last block
+        self._blocks: list[np.ndarray] = []  # record arrays of ROW_DTYPE
         self.statuses: list[RequestStatus] = []
         self.itl = ItlSketch()
 
@@ -171,11 +174,11 @@ class RequestLog:
         first_scheduled = request.first_scheduled_s
         self.ids.append(request.request_id)
         self.statuses.append(request.status)
-        self._rows.append((request.arrival_s, math.nan if first_scheduled is None else first_scheduled,
-                           times[0] if times else math.nan, times[-1] if times else math.nan,
-                           request.num_prompt_tokens,
-                           request.num_output_tokens,  # compact: times holds each lane stay's ends only
-                           request.num_preemptions, request.num_cached_tokens, request.num_lookup_tokens))
+        self._rows.append(ROW.pack(request.arrival_s, math.nan if first_scheduled is None else first_scheduled,
+                                   times[0] if times else math.nan, times[-1] if times else math.nan,
+                                   request.num_prompt_tokens,
+                                   request.num_output_tokens,  # compact: times holds each lane stay's ends only
+                                   request.num_preemptions, request.num_cached_tokens, request.num_lookup_tokens))
         if len(self._rows) >= ROWS_PER_BLOCK:
             self._seal()
         self.itl.add_gaps(request.gaps_outside_lane_steps())
@@ -184,27 +187,26 @@ class RequestLog:
     def total_output_tokens(self) -> int:
         if self.keep_token_times:
             return sum(r.output_tokens for r in self.records)
-        return int(self._table()[:, self.COLUMNS.index("output")].sum())
+        return int(self._table()["output"].sum())
 
     def _seal(self) -> None:
         if self._rows:
-            self._blocks.append(np.array(self._rows, dtype=np.float64))
+            self._blocks.append(np.frombuffer(b"".join(self._rows), dtype=ROW_DTYPE))
             self._rows = []
 
     def _table(self) -> np.ndarray:
-        """Every compact row so far: (requests, len(COLUMNS)) float64."""
+        """Every compact row so far, one record (ROW_DTYPE) per request."""
         self._seal()
         if len(self._blocks) > 1:
             self._blocks = [np.concatenate(self._blocks)]
-        return self._blocks[0] if self._blocks else np.zeros((0, len(self.COLUMNS)))
+        return self._blocks[0] if self._blocks else np.zeros(0, dtype=ROW_DTYPE)
 
     def columns(self) -> dict[str, np.ndarray]:
         """Per-request arrays (either mode): engine.observe.metrics.request_columns."""
         if self.keep_token_times:
             return record_columns(self.records)
         table = self._table()
-        times = [table[:, i] for i in range(4)]  # arrival, first scheduled, first token, finish
-        return request_columns(*times, *(table[:, i].astype(np.int64) for i in range(4, len(self.COLUMNS))))
+        return request_columns(*(table[name] for name in COLUMNS))
 
     def summarize(self, duration_s: float | None = None, slo_ttft_s: float | None = None,
                   slo_tpot_s: float | None = None, slo_e2el_s: float | None = None) -> dict:

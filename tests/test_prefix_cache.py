@@ -61,7 +61,7 @@ def test_a_cached_block_in_use_is_never_evicted_and_references_count():
     assert [pool.ref[b] for b in hit] == [2, 2] and not pool.evictable
     assert pool.num_free == 0  # x and y each took one block of their own
     assert not pool.grow("z", 4)  # no free block, none evictable: refused rather than evicting a used one
-    assert not pool.add_block_each(["x"])
+    assert not pool.add_block_each([Request("x", range(10), 4)])
     pool.check()
     pool.release("x")
     assert [pool.ref[b] for b in hit] == [1, 1] and not pool.evictable

@@ -435,14 +435,17 @@ def test_a_run_grants_blocks_as_stepping_does_and_stops_where_the_pool_runs_shor
     assert steps == stepped and not finished
     assert run_pool.held == step_pool.held and run_pool.num_free == step_pool.num_free == free - sum(
         run_pool.held[f"r{i}"] for i in range(5)) + sum(lane_and_pool()[1].held[f"r{i}"] for i in range(5))
-    assert run_lane._block_at == step_lane._block_at and run_lane._block_due == step_lane._block_due
+    filed = lambda lane: {at: [r.request_id for r in members] for at, members in lane._block_at.items()}  # noqa: E731
+    assert filed(run_lane) == filed(step_lane)
+    assert [r.lane_block_due for r in run_lane.members] == [r.lane_block_due for r in step_lane.members]
+    run_lane.check(run_pool.held)
     assert run_lane.times_since(0) == step_lane.times_since(0) == [float(j + 1) for j in range(steps)]
 
 
 def test_compact_request_log_holds_what_full_records_hold_across_its_blocks():
-    """Compact rows are sealed into float64 blocks every ROWS_PER_BLOCK requests: the columns read
-    back equal the full records' (times bitwise, counts exactly, a never-scheduled request's NaN),
-    and so do the inter-token gaps, whatever block a request landed in."""
+    """Compact rows are packed per request and joined into blocks every ROWS_PER_BLOCK requests:
+    the columns read back equal the full records' (times bitwise, counts exactly, a never-scheduled
+    request's NaN), and so do the inter-token gaps, whatever block a request landed in."""
     import numpy as np
 
     from engine.core.request import RequestStatus

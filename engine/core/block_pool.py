@@ -19,6 +19,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (request.py imports this module)
+    from engine.core.request import Request
 
 ROOT_HASH = 0  # the parent of a prompt's first block (hash(None) changes between processes)
 
@@ -81,14 +85,15 @@ class KVBlockPool:
     def can_grow(self, request_id: str, num_tokens: int) -> bool:
         return self.blocks_for(num_tokens) - self.held.get(request_id, 0) <= self.num_free + len(self.evictable)
 
-    def add_block_each(self, request_ids: list[str]) -> bool:
+    def add_block_each(self, requests: Sequence[Request]) -> bool:
         """One more block for each request (all holding some already), or False (and no change)
-        if the pool is short."""
-        n = len(request_ids)
+        if the pool is short. (Requests, not ids: the decode lane's calendar files its members.)"""
+        n = len(requests)
         if n > self.num_free and not self._evict(n - self.num_free):
             return False
-        for request_id in request_ids:
-            self.held[request_id] += 1
+        held = self.held
+        for request in requests:
+            held[request.request_id] += 1
         self.num_free -= n
         return True
 

@@ -123,8 +123,7 @@ class DecodeLane:
         self._last_end = 0.0  # the last advance's end
         self._finish_at: dict[int, list[Request]] = {}  # clock at which a member reaches max_tokens
         self._finish_clocks: list[int] = []  # heap of _finish_at's keys (and some since removed)
-        self._block_at: dict[int, list[str]] = {}  # clock at which members (by id) have filled their blocks
-        self._block_due: dict[str, int] = {}  # the same, by member id
+        self._block_at: dict[int, list[Request]] = {}  # clock at which members have filled their blocks
         self._compact_at = COMPACT_EVERY
         self._snapshot = -1  # the version the last part_reader described
         self._num_joined_now = 0  # members that joined since the last advance
@@ -176,8 +175,8 @@ class DecodeLane:
         if finish not in self._finish_at:
             heappush(self._finish_clocks, finish)
         self._file(self._finish_at, finish, request)
-        due = self._block_due[request.request_id] = held_blocks * self.block_size - request._computed
-        self._file(self._block_at, due, request.request_id)
+        due = request.lane_block_due = held_blocks * self.block_size - request._computed
+        self._file(self._block_at, due, request)
         self._version += 1
 
     def leave(self, request: Request) -> None:
@@ -188,7 +187,7 @@ class DecodeLane:
         del self.members[i], self._ids[i], self._offsets[i]
         self._offset_sum -= request._computed
         self._unfile(self._finish_at, request.max_tokens - request._num_output, request)
-        self._unfile(self._block_at, self._block_due.pop(request.request_id), request.request_id)
+        self._unfile(self._block_at, request.lane_block_due, request)
         self._write_back(request)
         self._version += 1
 
@@ -204,7 +203,6 @@ class DecodeLane:
         self._finish_at.clear()
         self._finish_clocks.clear()
         self._block_at.clear()
-        self._block_due.clear()
         self._num_joined_now = 0
         self._version += 1
 
@@ -224,19 +222,29 @@ class DecodeLane:
         request.lane = None
 
     @staticmethod
-    def _file(calendar: dict[int, list], at: int, member: Request | str) -> None:
+    def _file(calendar: dict[int, list[Request]], at: int, member: Request) -> None:
         calendar.setdefault(at, []).append(member)
 
     @staticmethod
-    def _unfile(calendar: dict[int, list], at: int, member: Request | str) -> None:
+    def _unfile(calendar: dict[int, list[Request]], at: int, member: Request) -> None:
         filed = calendar[at]
         filed.remove(member)
         if not filed:
             del calendar[at]
 
+    def check(self, held: dict[str, int]) -> None:
+        """Each member is filed once in each calendar, at the clocks its progress and ``held``
+        (the pool's blocks per request) say; ServingState.check_invariants calls it."""
+        filed = sorted((at, r.admit_seq) for at, members in self._block_at.items() for r in members)
+        assert filed == sorted((r.lane_block_due, r.admit_seq) for r in self.members)
+        for request in self.members:
+            assert request.lane_block_due == held[request.request_id] * self.block_size - request._computed
+            assert request.lane_block_due >= self.clock  # a block is granted before the token needing it
+            assert request in self._finish_at[request.max_tokens - request._num_output]
+
     # --- one step -------------------------------------------------------------------------------
-    def needing_block(self) -> list[str]:
-        """Ids of the members whose next token needs one more KV block (their blocks are full)."""
+    def needing_block(self) -> list[Request]:
+        """The members whose next token needs one more KV block (their blocks are full)."""
         return self._block_at.get(self.clock, [])
 
     def got_block(self) -> None:
@@ -245,7 +253,7 @@ class DecodeLane:
         if filed:
             self._refile(self.clock, filed)
 
-    def _refile(self, at: int, filed: list[str]) -> int:
+    def _refile(self, at: int, filed: list[Request]) -> int:
         """The members ``filed`` at clock ``at`` got their blocks: they need the next a block later
         (returned)."""
         block_at = self._block_at
@@ -256,8 +264,8 @@ class DecodeLane:
             block_at[due] = filed
         else:
             later.extend(filed)
-        for request_id in filed:
-            self._block_due[request_id] = due
+        for request in filed:
+            request.lane_block_due = due
         return due
 
     def context_sum(self) -> int:

@@ -70,6 +70,8 @@ class Request:
     lane: DecodeLane | None = field(default=None, init=False, repr=False)
     lane_joined: int = field(default=0, init=False, repr=False)  # the lane's clock when it joined
     admit_seq: int = field(default=0, init=False, repr=False)  # running order: admission count
+    # in a lane, the lane's clock at which its blocks are full: its next token then needs one more
+    lane_block_due: int = field(default=0, init=False, repr=False)
     # (first index in token_times_s, count) of the times each stay in a lane wrote back (all its
     # tokens', or its first and last: DecodeLane.keep_times): every gap inside a stay but its
     # first is one lane step (the simulator counts those per step)
@@ -110,6 +112,7 @@ class Request:
         self.lane = None
         self.lane_joined = 0
         self.admit_seq = 0
+        self.lane_block_due = 0
         self.lane_runs = []
 
     @property

@@ -313,6 +313,7 @@ class ServingState:
             assert (r.lane is self.lane) == r.is_decoding  # between steps, every decoder is in the lane
         assert [r.admit_seq for r in self.running] == sorted(r.admit_seq for r in self.running)
         assert self.lane.members == [r for r in self.running if r.lane is not None]
+        self.lane.check(kv.held)
         for r in self.waiting:
             assert r.request_id not in kv.held and r.num_computed_tokens == 0
         assert not kv.pending  # saves are planned and committed within one step
