@@ -12,8 +12,6 @@ simulated, and the figures.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from calibration.roofline import MemoryStamp
 from engine.core.config import SCHEDULER_NAMES, ModelConfig, SchedulerConfig
 from engine.observe.trace import summarize_trace, write_chrome_trace
 from engine.observe.workload import WorkloadConfig, generate, make_requests
+from experiments.fresh_process import in_fresh_process
 from experiments.report_table import format_seed_table, format_side_by_side
 from experiments.schema import register, to_object
 
@@ -106,12 +105,6 @@ def _export_model_regions(prof, path: Path) -> None:
                            if e.get("ph") == "M" or str(e.get("name", "")).startswith("miniserve.")]
     path.write_text(json.dumps(data))
     full.unlink()
-
-
-def in_fresh_process(fn, *args):
-    """Run ``fn(*args)`` in a newly spawned interpreter, as the seed ran a fresh server per strategy."""
-    with ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
 
 
 def calibrate_quick(model: ModelConfig, grid: str, out_dir: Path) -> str:

@@ -41,9 +41,7 @@ import math
 import os
 import random
 import statistics
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
-from multiprocessing import get_context
 from pathlib import Path
 
 import hydra
@@ -62,6 +60,7 @@ from engine.core.plan import BatchPlan
 from engine.core.request import Request
 from engine.observe.trace import parse_label, summarize_calls
 from engine.observe.workload import WorkloadConfig, generate, make_requests
+from experiments.fresh_process import in_fresh_process
 from experiments.report_table import format_table
 from experiments.schema import register, to_object
 from sim.bands import BAND_METRICS, band, conformal_band, inside, replicates, width
@@ -418,8 +417,7 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
         if {r["row"] for r in runs} != set(range(len(rows))):
             raise ValueError(f"{app.real_runs} holds other rows than this matrix")
     for repeat in range(0 if app.real_runs else app.matrix.repeats):
-        with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:  # a fresh process per repeat
-            runs += pool.submit(real_repeat, app, rows, calibration_gb_s, repeat).result()
+        runs += in_fresh_process(real_repeat, app, rows, calibration_gb_s, repeat)  # a fresh process per repeat
     physical = physical_model(cost)
     for r in runs:
         r["calls_gb_s"] = run_calls_gb_s(physical, r)

@@ -47,3 +47,12 @@ def drain(config: SchedulerConfig, requests: list[Request], check: bool = True,
         plans.append(plan)
         assert len(plans) < 100_000
     return plans, state
+
+
+def write_pid_then_sleep(path: str, seconds: float) -> None:
+    """A fresh-process job (tests/test_fresh_process.py): say who runs it, then run long."""
+    import os
+    import time
+
+    Path(path).write_text(str(os.getpid()))
+    time.sleep(seconds)
