@@ -6,20 +6,24 @@ from pathlib import Path
 
 import numpy as np
 
+NOISY_SPREAD = 0.10  # a median repeat spread past this: the report says the errors are the machine's
+
 
 def _row(name: str, e: dict) -> str:
     return (f"{name:<22} {e['n']:>5} {100 * e['mape']:>8.2f} {100 * e['median_error']:>10.2f} "
             f"{100 * e['max_error']:>9.2f} {e['r2']:>7.3f}")
 
 
-NOISY_SPREAD = 0.10  # a median repeat spread past this: the report says the errors are the machine's
-
-
 def repeat_spread(measurements: list[dict]) -> tuple[float, float] | None:
-    """Median and 90th percentile, over the shapes timed more than once, of their repeats' spread
-    ((max − min) / median): how far this machine moved one call while it was measured, which no
-    cost model can predict. None if no shape was timed twice."""
-    spreads = [m["spread"] for m in measurements if len(m["times_s"]) > 1]
+    """Median and 90th percentile, over the shapes timed undisturbed more than once, of those
+    repeats' spread ((max − min) / median): how far this machine moved one call while it was
+    measured, which no cost model can predict (contended repeats are left out, as the fit leaves
+    them out). None if no shape was timed twice undisturbed."""
+    spreads = []
+    for m in measurements:
+        times = [t for t, hit in zip(m["times_s"], m.get("contended") or [False] * len(m["times_s"])) if not hit]
+        if len(times) > 1:
+            spreads.append((max(times) - min(times)) / float(np.median(times)))
     if not spreads:
         return None
     return float(np.median(spreads)), float(np.percentile(spreads, 90))
