@@ -274,12 +274,12 @@ void for_chunks(int64_t M, int64_t row_block, Fn&& fn) {
   }
 }
 
-// Each thread takes a contiguous run of panels: one forward stream of weights. Up to 8 rows (a
-// decode step) a panel is multiplied in one sweep of K while its weights stream from memory, each
-// k step asking for the weights kStreamAhead bytes on (past 1 row: the hardware prefetcher alone
-// keeps up with one row's arithmetic, not with eight's). Past 8 rows, K is cut into blocks of
-// `block_steps` k steps (k pairs in bf16; dispatch.k_block sizes them to two thirds of the L1
-// cache): every 8-row block of the row_block rows multiplies a k block in turn while it sits in
+// Each thread takes a contiguous run of panels: one forward stream of weights. Up to BlockRows
+// rows (8; AVX2's 6) a panel is multiplied in one sweep of K while its weights stream from memory,
+// each k step asking for the weights kStreamAhead bytes on (past 1 row: the hardware prefetcher
+// alone keeps up with one row's arithmetic, not with eight's). Past BlockRows, K is cut into
+// blocks of `block_steps` k steps (k pairs in bf16; dispatch.k_block sizes them to two thirds of
+// the L1 cache): every BlockRows-row block of the row_block rows multiplies a k block in turn while it sits in
 // cache, so the weights come from memory once per row_block rows. Meanwhile the next k block is
 // asked for, each pass a 1/passes share of it, one k step every few of its own: the requests go
 // out at the pace the arithmetic consumes the weights, so memory works all through the block
