@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from experiments.fresh_process import PARENT_POLL_S, in_fresh_process
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO_ROOT
 
 
 def _running(pid: int) -> bool:
@@ -34,7 +33,7 @@ def test_the_worker_exits_soon_after_its_parent_is_killed(tmp_path):
     parent = subprocess.Popen(
         [sys.executable, "-c", "from experiments.fresh_process import in_fresh_process; "
          "from tests.helpers import write_pid_then_sleep; "
-         f"in_fresh_process(write_pid_then_sleep, {str(pid_file)!r}, 600.0)"], cwd=ROOT)
+         f"in_fresh_process(write_pid_then_sleep, {str(pid_file)!r}, 600.0)"], cwd=REPO_ROOT)
     try:
         deadline = time.monotonic() + 120
         while not pid_file.exists() or not pid_file.read_text():

@@ -435,7 +435,9 @@ def test_a_run_grants_blocks_as_stepping_does_and_stops_where_the_pool_runs_shor
     assert steps == stepped and not finished
     assert run_pool.held == step_pool.held and run_pool.num_free == step_pool.num_free == free - sum(
         run_pool.held[f"r{i}"] for i in range(5)) + sum(lane_and_pool()[1].held[f"r{i}"] for i in range(5))
-    filed = lambda lane: {at: [r.request_id for r in members] for at, members in lane._block_at.items()}  # noqa: E731
+    def filed(lane: DecodeLane) -> dict[int, list[str]]:
+        return {at: [r.request_id for r in members] for at, members in lane._block_at.items()}
+
     assert filed(run_lane) == filed(step_lane)
     assert [r.lane_block_due for r in run_lane.members] == [r.lane_block_due for r in step_lane.members]
     run_lane.check(run_pool.held)

@@ -233,13 +233,15 @@ class DecodeLane:
             del calendar[at]
 
     def check(self, held: dict[str, int]) -> None:
-        """Each member is filed once in each calendar, at the clocks its progress and ``held``
-        (the pool's blocks per request) say; ServingState.check_invariants calls it."""
+        """The block calendar files each member once, at the clock its progress and ``held`` (the
+        pool's blocks per request) say its blocks are full, never behind the lane's clock; each
+        member is in the finish calendar at the clock it reaches max_tokens.
+        ServingState.check_invariants calls it."""
         filed = sorted((at, r.admit_seq) for at, members in self._block_at.items() for r in members)
         assert filed == sorted((r.lane_block_due, r.admit_seq) for r in self.members)
         for request in self.members:
             assert request.lane_block_due == held[request.request_id] * self.block_size - request._computed
-            assert request.lane_block_due >= self.clock  # a block is granted before the token needing it
+            assert request.lane_block_due >= self.clock  # no need was stepped past without its block
             assert request in self._finish_at[request.max_tokens - request._num_output]
 
     # --- one step -------------------------------------------------------------------------------
