@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 
 from engine.core.config import SchedulerConfig
@@ -53,5 +51,8 @@ def drain(config: SchedulerConfig, requests: list[Request], check: bool = True,
 
 def write_pid_then_sleep(path: str, seconds: float) -> None:
     """A fresh-process job (tests/test_fresh_process.py): say who runs it, then run long."""
+    import os
+    import time  # here, not at the top: test_torch_free imports these helpers with no clock
+
     Path(path).write_text(str(os.getpid()))
     time.sleep(seconds)
