@@ -41,14 +41,19 @@ class PlanBuilder:
     or one by one), then prefill chunks. Preempting a request takes its entry back out and
     refunds its tokens; decodes taken together are listed one by one first."""
 
-    __slots__ = ("state", "budget", "together", "decodes", "prefills", "preempted", "loads", "saves")
+    __slots__ = ("state", "budget", "together", "decodes", "prefill_ids", "prefill_tokens", "prefill_contexts",
+                 "prefill_samples", "preempted", "loads", "saves")
 
     def __init__(self, state: ServingState, budget: int) -> None:
         self.state = state
         self.budget = budget
         self.together: tuple[int, int, LaneIds] | None = None  # (count, Σ contexts, ids on demand)
         self.decodes: dict[str, int] = {}  # one by one: id -> context
-        self.prefills: dict[str, tuple[int, int, bool]] = {}  # id -> (tokens, context, samples)
+        # the prefill chunks, in order, as the plan's columns (no tuples to zip apart in build)
+        self.prefill_ids: list[str] = []
+        self.prefill_tokens: list[int] = []
+        self.prefill_contexts: list[int] = []
+        self.prefill_samples: list[bool] = []
         self.preempted: list[str] = []
         # prefix caching only (built on first use: most steps of most runs have none)
         self.loads: dict[str, tuple[int, ...]] | None = None  # id -> cached blocks it starts from
@@ -65,7 +70,10 @@ class PlanBuilder:
     def add_prefill(self, request: Request, n: int, loads: tuple[int, ...] | list[int] = ()) -> None:
         """A chunk of ``n`` tokens; ``loads``: the cached blocks a just admitted request starts from."""
         computed = request.num_computed_tokens
-        self.prefills[request.request_id] = (n, computed, n == request.num_tokens - computed)
+        self.prefill_ids.append(request.request_id)
+        self.prefill_tokens.append(n)
+        self.prefill_contexts.append(computed)
+        self.prefill_samples.append(n == request.num_tokens - computed)
         self.budget -= n
         if self.state.kv.caching:
             if loads:
@@ -101,8 +109,10 @@ class PlanBuilder:
         if victim.request_id in self.decodes:
             del self.decodes[victim.request_id]
             self.budget += 1
-        elif victim.request_id in self.prefills:
-            self.budget += self.prefills.pop(victim.request_id)[0]
+        elif victim.request_id in self.prefill_ids:
+            i = self.prefill_ids.index(victim.request_id)
+            self.budget += self.prefill_tokens.pop(i)
+            del self.prefill_ids[i], self.prefill_contexts[i], self.prefill_samples[i]
             if self.loads:
                 self.loads.pop(victim.request_id, None)
             if self.saves:
@@ -111,21 +121,18 @@ class PlanBuilder:
 
     def build(self, scheduler: str) -> BatchPlan | None:
         """The plan, or None if nothing was scheduled."""
-        prefills, decodes, together = self.prefills, self.decodes, self.together
-        if not decodes and not prefills:
+        decodes, together = self.decodes, self.together
+        if not decodes and not self.prefill_ids:
             if together is None:
                 return None
             return BatchPlan(scheduler, (), (), (), (), 0, (), *together)  # the common step
         lane_size, lane_context_sum, lane_ids = together or (0, 0, None)
         nd = len(decodes)
-        if prefills:
-            ids = tuple(prefills)
-            tokens, contexts, sampled = zip(*prefills.values())
-            if nd:
-                ids = tuple(decodes) + ids
-                tokens, contexts, sampled = (1,) * nd + tokens, tuple(decodes.values()) + contexts, (True,) * nd + sampled
-        else:
-            ids, tokens, contexts, sampled = tuple(decodes), (1,) * nd, tuple(decodes.values()), (True,) * nd
+        ids, tokens = tuple(self.prefill_ids), tuple(self.prefill_tokens)
+        contexts, sampled = tuple(self.prefill_contexts), tuple(self.prefill_samples)
+        if nd:
+            ids = tuple(decodes) + ids
+            tokens, contexts, sampled = (1,) * nd + tokens, tuple(decodes.values()) + contexts, (True,) * nd + sampled
         plan = BatchPlan(scheduler, ids, tokens, contexts, sampled, nd, tuple(self.preempted),
                          lane_size, lane_context_sum, lane_ids)
         if self.loads or self.saves:
