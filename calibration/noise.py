@@ -6,7 +6,8 @@ Two parts, both as natural-log ratios (a call that took 10% longer is log 1.1):
   drawn with one of these is uniformly faster or slower, as a real run in a spell is.
 - ``call_log``: every timed call (grid repeats and the engine's own calls) against the fitted
   prediction, less its round's factor: the fit's error on that shape plus the call's own jitter.
-And per shape its spread (min–max over median, and the coefficient of variation).
+And over the grid shapes, their spread (min–max over median of the undisturbed repeats: what the
+calibration report prints beside its errors) and coefficient of variation.
 - ``memory_gb_s_history``: read-bandwidth stamps of this machine over a longer time than the
   calibration's minutes (its own stamps and calibration.bandwidth_history's per-machine file):
   the slow, run-level component a replicate draws from (RunNoise). Older profiles lack it and
@@ -61,7 +62,12 @@ def noise_report(times: Sequence[Sequence[float]], typical: Sequence[float], pre
                 continue
             shift = factors[r] if kinds[i] != "engine" and r < min(len(factors), per_shape[i]) else 0.0
             calls.append(math.log(t / predicted[i]) - shift)
-    spreads = [(max(times[i]) - min(times[i])) / statistics.median(times[i]) for i in grid]
+    spreads = []  # over each grid shape's undisturbed repeats, as the fit takes them
+    for i in grid:
+        flags = contended[i] if i < len(contended) else ()
+        clean = [t for r, t in enumerate(times[i]) if not (r < len(flags) and flags[r])]
+        if len(clean) > 1:
+            spreads.append((max(clean) - min(clean)) / statistics.median(clean))
     cvs = [float(np.std(times[i]) / np.mean(times[i])) for i in grid if len(times[i]) > 1]
     return {"round_log": factors, "call_log": [round(x, 5) for x in calls],
             "call_log_p5_p50_p95": [float(x) for x in np.percentile(calls, [5, 50, 95])] if calls else [],

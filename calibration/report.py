@@ -14,21 +14,6 @@ def _row(name: str, e: dict) -> str:
             f"{100 * e['max_error']:>9.2f} {e['r2']:>7.3f}")
 
 
-def repeat_spread(measurements: list[dict]) -> tuple[float, float] | None:
-    """Median and 90th percentile, over the shapes timed undisturbed more than once, of those
-    repeats' spread ((max − min) / median): how far this machine moved one call while it was
-    measured, which no cost model can predict (contended repeats are left out, as the fit leaves
-    them out). None if no shape was timed twice undisturbed."""
-    spreads = []
-    for m in measurements:
-        times = [t for t, hit in zip(m["times_s"], m.get("contended") or [False] * len(m["times_s"])) if not hit]
-        if len(times) > 1:
-            spreads.append((max(times) - min(times)) / float(np.median(times)))
-    if not spreads:
-        return None
-    return float(np.median(spreads)), float(np.percentile(spreads, 90))
-
-
 def error_table_text(result) -> str:
     """Per-call errors of the fit (train, held out, held out by kind) and of the roofline."""
     info = result.cost_model.info
@@ -57,12 +42,12 @@ def error_table_text(result) -> str:
                  f"{grid['contended_retries']} contended calls re-measured, plus {grid.get('engine_calls', 0)} "
                  f"calls timed inside engine runs ({grid.get('engine_shapes', grid.get('engine_calls', 0))} shapes); "
                  f"{grid['wall_s']:.1f} s")
-    spread = repeat_spread(info["measurements"])
-    if spread is not None:
-        lines.append(f"repeats of one shape spread (max − min) / median: median {100 * spread[0]:.1f}%, "
-                     f"90th percentile {100 * spread[1]:.1f}%"
-                     + ("; this machine was noisy while it measured: errors of that order are its noise, not the "
-                        "model's (calibrate again when it is quieter)" if spread[0] > NOISY_SPREAD else ""))
+    # how far this machine moved one call while it measured, which no cost model can predict
+    spread = info["noise"]["shape_spread"]  # (calibration.noise.noise_report)
+    lines.append(f"repeats of one shape spread (max − min) / median: median {100 * spread['median']:.1f}%, "
+                 f"90th percentile {100 * spread['p90']:.1f}%"
+                 + ("; this machine was noisy while it measured: errors of that order are its noise, not the "
+                    "model's (calibrate again when it is quieter)" if spread["median"] > NOISY_SPREAD else ""))
     cuts = grid.get("budget", {}).get("cuts")
     if cuts:
         lines.append(f"cut to fit calibration.time_budget_s: {'; '.join(cuts)}")

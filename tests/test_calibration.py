@@ -18,7 +18,6 @@ from calibration.cost_model import FEATURES, SAMPLE_KNOTS, TOKEN_KNOTS, CostMode
 from calibration.fit import Errors, fit_nnls, split_heldout
 from calibration.grid import GRID_SPECS, Shape, build_grid
 from calibration.profiler import Measurement, step_overheads
-from calibration.report import repeat_spread
 from calibration.roofline import Machine, ModelShape, call_work, roofline_s
 from engine.core.config import ModelConfig
 from engine.llm_engine import StepRecord
@@ -179,8 +178,9 @@ def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tmp_path):
     assert "timed calls in" in log and "calls measured again" in log
     assert "time budget 300 s" in log  # the default budget, which the tiny model's grid fits whole
     data = json.loads((tmp_path / "profile.json").read_text())
-    median_spread, high_spread = repeat_spread(data["measurements"])  # the run's own noise, reported beside its errors
-    assert 0 <= median_spread <= high_spread and f"median {100 * median_spread:.1f}%, 90th percentile" in out.stdout
+    spread = data["noise"]["shape_spread"]  # the run's own noise, reported beside its errors
+    assert 0 <= spread["median"] <= spread["p90"]
+    assert f"median {100 * spread['median']:.1f}%, 90th percentile {100 * spread['p90']:.1f}%" in out.stdout
     assert 0 <= data["fit"]["heldout_mape"] and 0 <= data["fit"]["heldout_max_error"]
     assert data["fit"]["heldout_max_error"] >= data["fit"]["heldout"]["median_error"]
     assert data["fingerprint"] == config_fingerprint(ModelConfig(name="tiny"))

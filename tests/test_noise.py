@@ -88,6 +88,11 @@ def test_noise_report_separates_machine_rounds_from_call_residuals():
     # a call still contended after its retries stays out of the residuals
     flagged = noise_report(times, typical, predicted, kinds, rounds=3, contended=[(False, False, True), (), ()])
     assert len(flagged["call_log"]) == len(report["call_log"]) - 1
+    # and out of its shape's spread: with shape 0's slow repeat flagged, its other two agree
+    assert report["shape_spread"]["median"] == pytest.approx(0.1)
+    slow_flagged = noise_report(times, typical, predicted, kinds, rounds=3, contended=[(False, True, False), (), ()])
+    assert slow_flagged["shape_spread"]["median"] == pytest.approx(0.05)
+    assert slow_flagged["shape_spread"]["max"] == pytest.approx(0.1)
 
 
 # --- prediction bands ---------------------------------------------------------------------------
