@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.core.config import ModelConfig, SchedulerConfig
-from engine.serving.engine_thread import EngineThread, QueueFull, RequestSink
+from engine.serving.engine_thread import EngineClosed, EngineThread, QueueFull, RequestSink
 from engine.llm_engine import Engine
 from engine.serving.protocol import ApiError, check_limits, parse_completion
 from engine.core.request import Request
@@ -51,6 +51,52 @@ def test_submit_past_max_waiting_raises_queue_full_without_accepting():
         thread.submit(Request("b", [1], 1), sink)
         with pytest.raises(QueueFull):
             thread.submit(Request("c", [1], 1), sink)
+    finally:
+        loop.close()
+
+
+def test_requests_drained_but_not_yet_stepped_still_count_against_max_waiting():
+    """Between the inbox's drain and the step that delivers them, accepted requests sit in the
+    core's arrivals: they must still fill the queue, or a long step lets twice max_waiting in."""
+    thread = EngineThread(lambda: None, max_waiting=2)
+    thread.engine = Engine(SchedulerConfig(max_num_seqs=1), TINY)  # the loop is never started
+    loop = asyncio.new_event_loop()
+    try:
+        sink = RequestSink(loop)
+        thread.submit(Request("a", [1], 1), sink)
+        thread.submit(Request("b", [1], 1), sink)
+        assert thread._drain(block=False)  # into the core, not yet stepped
+        assert thread.stats.num_waiting == 2
+        with pytest.raises(QueueFull):
+            thread.submit(Request("c", [1], 1), sink)
+    finally:
+        loop.close()
+
+
+def test_once_the_engine_loop_has_failed_submit_refuses_instead_of_queueing_for_nobody():
+    def build() -> Engine:
+        engine = Engine(SchedulerConfig(max_num_seqs=1), TINY)
+
+        def broken(now_s: float):
+            raise RuntimeError("boom")
+
+        engine.step = broken  # type: ignore[method-assign]
+        return engine
+
+    thread = EngineThread(build, max_waiting=4)
+    loop = asyncio.new_event_loop()
+    try:
+        events: list = []
+        sink = RequestSink(loop)
+        sink.put = events.append  # type: ignore[method-assign]
+        thread.start()
+        assert thread.ready.wait(60)
+        thread.submit(Request("a", [1], 1), sink)
+        thread._thread.join(30)
+        assert not thread._thread.is_alive() and "boom" in thread.error
+        assert [e.finish_reason for e in events] == ["abort"] and "boom" in events[0].error  # told, not lost
+        with pytest.raises(EngineClosed, match="boom"):
+            thread.submit(Request("b", [1], 1), sink)
     finally:
         loop.close()
 

@@ -31,7 +31,7 @@ from starlette.responses import StreamingResponse
 
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.core.request import Request as EngineRequest
-from engine.serving.engine_thread import EngineThread, QueueFull, RequestSink, clock
+from engine.serving.engine_thread import EngineClosed, EngineThread, QueueFull, RequestSink, clock
 from engine.serving.limits import (LOOPBACK_HOSTS, ClientGone, Guard, error_response, guarded_h11,
                                    install_error_handlers, read_body)
 from engine.serving.prometheus import parse_prometheus, prometheus_text
@@ -242,6 +242,9 @@ def create_app(engine: EngineThread, model_name: str, on_shutdown: Callable[[], 
             state.rejected["queue_full"] += 1
             return error_response(ApiError(429, f"{exc}; retry later", type_="rate_limit_error",
                                            headers={"Retry-After": "1"}))
+        except EngineClosed as exc:  # the loop ended after _admit found it healthy
+            state.rejected["unavailable"] += 1
+            return error_response(ApiError(503, str(exc), type_="unavailable"))
         except ApiError as exc:
             state.rejected["unavailable" if exc.status == 503 else "invalid"] += 1
             return error_response(exc, close=exc.status in (408, 413))

@@ -42,6 +42,10 @@ class QueueFull(Exception):
     """The waiting queue is at its bound; the caller should answer 429."""
 
 
+class EngineClosed(Exception):
+    """The engine loop has ended (shut down, or failed): nothing would serve a request; answer 503."""
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """Tokens one iteration produced for one request; ``finish_reason`` set on its last event.
@@ -165,6 +169,7 @@ class EngineThread:
         self._queued = 0  # submitted, not yet drained into the engine
         self._live: dict[str, _Live] = {}
         self._refusing: str | None = None  # set once shutdown has cancelled everything
+        self._closed: str | None = None  # why the loop ended; submit() refuses from then on
         self._thread = threading.Thread(target=self._main, name="miniserve-engine", daemon=True)
 
     # --- called from the HTTP side -------------------------------------------------------------
@@ -178,6 +183,8 @@ class EngineThread:
     def submit(self, request: Request, sink: RequestSink) -> None:
         """Queue a validated request, or raise QueueFull past the bound."""
         with self._lock:
+            if self._closed is not None:  # the inbox has been drained for the last time
+                raise EngineClosed(self._closed)
             if self._queued + self.stats.num_waiting >= self.max_waiting:
                 raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)")
             self._queued += 1
@@ -316,7 +323,9 @@ class EngineThread:
 
     def _publish_gauges(self) -> None:
         engine, stats = self.engine, self.stats
-        stats.num_waiting = len(engine.core.state.waiting)
+        # drained requests sit in the core's arrivals until the next step delivers them: they are
+        # waiting too, or submit() would accept max_waiting more during that step
+        stats.num_waiting = len(engine.core.state.waiting) + len(engine.core.arrivals)
         stats.num_running = len(engine.core.state.running)
         stats.kv_blocks_used = engine.core.state.kv.num_used
         stats.kv_slots_used = engine.runner.num_slots_used
@@ -325,6 +334,8 @@ class EngineThread:
         stats.prefix_hit_requests = state.prefix_hit_requests
 
     def _cancel_all(self, reason: str) -> None:
+        with self._lock:  # submit() checks this under the same lock: nothing enters after the drain below
+            self._closed = reason
         self._cancel_live(reason)
         # anything still in the inbox was accepted but never started: tell its client
         while True:
