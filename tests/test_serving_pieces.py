@@ -15,6 +15,7 @@ from engine.core.request import Request
 from engine.core.sampling import SamplingParams
 from engine.model.sampler import filtered_probs, sample
 from engine.model.tokenizer import byte_tokenizer
+from engine.serving.app import _tokenize
 from engine.serving.detokenize import TextStream
 from engine.serving.protocol import MAX_NESTING, ApiError, parse_chat, parse_completion, parse_json
 
@@ -153,6 +154,38 @@ def test_deep_nesting_is_a_400_not_a_recursion_error():
             parse_completion(parse_json(raw))
         assert err.value.status == 400 and str(MAX_NESTING) in err.value.message
     assert parse_json(json.dumps({"prompt": [[1, 2]], "x": {"a": [{"b": 1}]}}).encode())["prompt"] == [[1, 2]]
+
+
+def test_brackets_inside_strings_are_text_not_nesting():
+    code = "[" * 200 + '{"unclosed \\" ]' + "{" * 50  # a truncated snippet in a text prompt
+    raw = json.dumps({"prompt": code, "stop": ["]]"]}).encode()
+    assert parse_completion(parse_json(raw)).prompt_text == code
+    with pytest.raises(ApiError):  # the same depth outside a string still is nesting
+        parse_json(b'{"prompt":"' + b"[" * 40 + b'","x":' + b"[" * 40 + b"]" * 40 + b"}")
+
+
+def test_null_means_the_default_as_openais_schema_allows():
+    p = parse_completion({"prompt": [1], "stream": None, "n": None, "echo": None, "ignore_eos": None,
+                          "logprobs": None, "max_tokens": 4})
+    assert (p.stream, p.echo, p.ignore_eos, p.sampling, p.max_tokens) == (False, False, False, None, 4)
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}], "logprobs": None, "stream": None})
+    assert chat.sampling is None and chat.stream is False
+    with pytest.raises(ApiError) as err:  # null is not a wildcard: a wrong type still is a 400
+        parse_completion({"prompt": [1], "stream": "yes"})
+    assert err.value.param == "stream"
+    with pytest.raises(ApiError) as err:  # as OpenAI and vLLM: usage options on a reply that is not streamed
+        parse_completion({"prompt": [1], "stream_options": {"include_usage": True}})
+    assert err.value.param == "stream_options"
+
+
+def test_a_chat_template_refusing_the_messages_is_a_400_naming_them():
+    tok = byte_tokenizer(512, eos_token_id=1)
+    tok.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('conversation must start "
+                         "with a user turn') }}{% endif %}{{ messages[0]['content'] }}")
+    assert _tokenize(tok, None, [{"role": "user", "content": "hi"}]) == tok.encode("hi", add_special_tokens=False)
+    with pytest.raises(ApiError) as err:
+        _tokenize(tok, None, [{"role": "assistant", "content": "hi"}])
+    assert err.value.status == 400 and err.value.param == "messages" and "user turn" in err.value.message
 
 
 def test_errors_quote_only_a_short_prefix_of_bad_input():

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
+import jinja2
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -281,7 +282,10 @@ def _tokenize(tokenizer, text: str | None, messages: list[dict] | None, add_spec
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "messages: this model's tokenizer has no chat template; use /v1/completions",
                        "messages")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except jinja2.TemplateError as exc:  # a checkpoint's template refusing the conversation (roles out of turn ...)
+        raise ApiError(400, f"messages: the model's chat template refused them: {exc}", "messages") from None
     return list(ids)
 
 

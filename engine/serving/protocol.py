@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      ValidationError)
+                      ValidationError, model_validator)
 
 from engine.core.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -55,6 +55,9 @@ def _short_json(value: Any) -> str:
         return type(value).__name__
 
 
+NULL_IS_DEFAULT = frozenset({"stream", "n", "ignore_eos", "echo", "logprobs"})  # fields whose default is not null
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
@@ -64,6 +67,15 @@ class _Sampling(BaseModel):
     """Fields both endpoints share."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """OpenAI's schema lets a client send null for these (some send every field): it means the default."""
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in NULL_IS_DEFAULT):
+            return {k: v for k, v in data.items() if not (v is None and k in NULL_IS_DEFAULT)}
+        return data
+
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
     ignore_eos: StrictBool = False
@@ -141,12 +153,12 @@ def parse_json(raw: bytes) -> dict:
 
 
 def _nesting(raw: bytes) -> int:
-    """An upper bound on the JSON nesting depth, without parsing: brackets outside strings.
-    Brackets inside strings only make it larger, which is safe; it is only compared to a bound."""
+    """The JSON nesting depth, without parsing: brackets outside strings (a text prompt may hold
+    any number of them). Malformed JSON may read wrong here; json.loads refuses it next."""
     if raw.count(b"[") + raw.count(b"{") <= MAX_NESTING:
         return 0
     depth = deepest = 0
-    for byte in raw.translate(None, _NOT_BRACKETS):
+    for byte in _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS):
         depth += 1 if byte in b"[{" else -1
         deepest = max(deepest, depth)
         if deepest > MAX_NESTING:
@@ -155,6 +167,7 @@ def _nesting(raw: bytes) -> int:
 
 
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)  # a JSON string, escapes included
 
 
 def _validate(model: type[BaseModel], body: dict) -> BaseModel:
@@ -187,6 +200,12 @@ def _sampling(req: _Sampling, logprobs: int | None) -> SamplingParams | None:
     return None if params == SamplingParams() else params
 
 
+def _include_usage(req: _Sampling) -> bool:
+    if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM refuse it
+        raise ApiError(400, "stream_options: only allowed when stream is true", "stream_options")
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
 def _stops(req: _Sampling) -> tuple[tuple[str, ...], frozenset[int]]:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if len(stop) > MAX_STOP:
@@ -201,7 +220,7 @@ def parse_completion(body: dict) -> CompletionParams:
     ids, text = _parse_prompt(req.prompt)
     if req.echo and req.logprobs is not None:
         raise ApiError(400, "echo: echo with logprobs (prompt log-probabilities) is not supported", "echo")
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    include_usage = _include_usage(req)
     stop, stop_ids = _stops(req)
     return CompletionParams(ids, text, req.max_tokens, req.ignore_eos, req.stream, include_usage, req.model,
                             _sampling(req, req.logprobs), stop, stop_ids, req.echo)
@@ -221,7 +240,7 @@ def parse_chat(body: dict) -> CompletionParams:
             content = "".join(p["text"] for p in content)
         messages.append({"role": m.role, "content": content or ""})
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    include_usage = _include_usage(req)
     stop, stop_ids = _stops(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return CompletionParams(None, None, max_tokens, req.ignore_eos, req.stream, include_usage, req.model,
