@@ -15,7 +15,8 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from engine.loadgen.client import BenchConfig, fetch_model_info, format_summary, run_bench, write_outputs
+from engine.loadgen.client import (BenchConfig, fetch_model_info, format_summary, prompt_vocab_size, run_bench,
+                                   write_outputs)
 from engine.loadgen.vllm_args import vllm_to_overrides
 from engine.observe.results import Goodput, write_results_json
 from engine.observe.workload import WorkloadConfig, generate, make_requests
@@ -34,7 +35,7 @@ register("bench_schema", BenchApp)
 def bench(app: BenchApp, out_dir: Path) -> dict:
     info = asyncio.run(fetch_model_info(app.bench.url))
     workload = app.workload
-    requests = make_requests(generate(workload), vocab_size=info["vocab_size"], seed=workload.seed, prefix="bench")
+    requests = make_requests(generate(workload), vocab_size=prompt_vocab_size(info, app.bench), seed=workload.seed, prefix="bench")
     result = asyncio.run(run_bench(requests, app.bench, model=info["id"]))
     write_outputs(result, out_dir)
     write_results_json(out_dir / "results.json", result.metrics, backend="openai", label="miniserve",

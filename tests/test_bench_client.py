@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from engine.loadgen.client import BenchConfig, BenchResult, HttpRecord, bench_metrics, format_summary, write_outputs
+from engine.loadgen.client import (BenchConfig, BenchResult, HttpRecord, bench_metrics, format_summary,
+                                   prompt_vocab_size, write_outputs)
 from engine.observe.metrics import read_requests_csv
 
 
@@ -47,7 +48,18 @@ def test_outputs_round_trip_through_engine_metrics(tmp_path):
     assert (tmp_path / "metrics.json").is_file() and (tmp_path / "http_requests.csv").is_file()
 
 
-@pytest.mark.parametrize("bad", [{"max_concurrency": 0}, {"goodput": "ttft:-1"}, {"goodput": "latency:5"}, {"timeout_s": 0.0}])
+@pytest.mark.parametrize("bad", [{"max_concurrency": 0}, {"goodput": "ttft:-1"}, {"goodput": "latency:5"},
+                                 {"timeout_s": 0.0}, {"vocab_size": 1}])
 def test_bench_config_refuses_nonsense(bad):
     with pytest.raises(ValueError):
         BenchConfig(**bad)
+
+
+def test_prompt_vocabulary_comes_from_the_server_or_the_config_and_a_server_without_one_is_named():
+    miniserve = {"id": "qwen2_5_0_5b", "vocab_size": 151936}
+    vllm = {"id": "Qwen/Qwen2.5-0.5B", "object": "model", "max_model_len": 32768}  # no vocab_size
+    assert prompt_vocab_size(miniserve, BenchConfig()) == 151936
+    assert prompt_vocab_size(vllm, BenchConfig(vocab_size=32000)) == 32000
+    assert prompt_vocab_size(miniserve, BenchConfig(vocab_size=1000)) == 1000  # the config wins
+    with pytest.raises(ValueError, match="bench.vocab_size"):
+        prompt_vocab_size(vllm, BenchConfig())

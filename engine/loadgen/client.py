@@ -45,10 +45,15 @@ class BenchConfig:
     goodput: str | None = None
     timeout_s: float = 600.0
     progress: bool = True
+    # prompts are token ids drawn below this; None: the vocab_size miniserve's /v1/models reports
+    # (another OpenAI-compatible server, e.g. vLLM, reports none: set it to its model's vocabulary)
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"bench.max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.vocab_size is not None and self.vocab_size < 2:
+            raise ValueError(f"bench.vocab_size must be >= 2, got {self.vocab_size}")
         Goodput.parse(self.goodput)  # a malformed SLO fails here, before any request is sent
         if not self.timeout_s > 0:
             raise ValueError(f"bench.timeout_s must be > 0, got {self.timeout_s}")
@@ -121,6 +126,16 @@ async def fetch_model_info(url: str) -> dict:
         resp = await client.get("/v1/models")
         resp.raise_for_status()
         return resp.json()["data"][0]
+
+
+def prompt_vocab_size(info: dict, cfg: BenchConfig) -> int:
+    """Below which token id the prompts are drawn: ``bench.vocab_size``, else what the server reports."""
+    if cfg.vocab_size is not None:
+        return cfg.vocab_size
+    if "vocab_size" not in info:
+        raise ValueError(f"the server at {cfg.url} does not report its vocabulary in /v1/models (only miniserve "
+                         f"does): set bench.vocab_size to its model's, so prompts hold valid token ids")
+    return int(info["vocab_size"])
 
 
 async def _send(client: httpx.AsyncClient, request: Request, record: HttpRecord, model: str | None,
