@@ -89,14 +89,38 @@ def test_once_the_engine_loop_has_failed_submit_refuses_instead_of_queueing_for_
         events: list = []
         sink = RequestSink(loop)
         sink.put = events.append  # type: ignore[method-assign]
+        thread.submit(Request("a", [1], 1), sink)  # before the loop runs: its first step is the one that fails
         thread.start()
-        assert thread.ready.wait(60)
-        thread.submit(Request("a", [1], 1), sink)
-        thread._thread.join(30)
+        thread._thread.join(60)
         assert not thread._thread.is_alive() and "boom" in thread.error
         assert [e.finish_reason for e in events] == ["abort"] and "boom" in events[0].error  # told, not lost
         with pytest.raises(EngineClosed, match="boom"):
             thread.submit(Request("b", [1], 1), sink)
+    finally:
+        loop.close()
+
+
+def test_a_request_the_engine_fails_to_accept_is_answered_before_the_loop_fails():
+    def build() -> Engine:
+        engine = Engine(SchedulerConfig(max_num_seqs=1), TINY)
+
+        def broken(request: Request) -> None:
+            raise RuntimeError("bug in add")
+
+        engine.add_request = broken  # type: ignore[method-assign]
+        return engine
+
+    thread = EngineThread(build, max_waiting=4)
+    loop = asyncio.new_event_loop()
+    try:
+        events: list = []
+        sink = RequestSink(loop)
+        sink.put = events.append  # type: ignore[method-assign]
+        thread.submit(Request("a", [1], 1), sink)
+        thread.start()
+        thread._thread.join(60)
+        assert "bug in add" in thread.error
+        assert [e.finish_reason for e in events] == ["error"] and "bug in add" in events[0].error
     finally:
         loop.close()
 

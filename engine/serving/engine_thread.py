@@ -265,6 +265,10 @@ class EngineThread:
             sink.put(TokenEvent(finish_reason="error", error=str(exc)))
             self.stats.failed += 1
             return
+        except Exception as exc:  # a bug: the loop fails (and says so), but this client is told too
+            sink.put(TokenEvent(finish_reason="error", error=f"engine failed to accept the request: {exc}"))
+            self.stats.failed += 1
+            raise
         self._live[request.request_id] = _Live(request, sink)
         self.stats.prompt_tokens += request.num_prompt_tokens
 

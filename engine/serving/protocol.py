@@ -140,34 +140,34 @@ class CompletionParams:
 
 
 def parse_json(raw: bytes) -> dict:
-    """The body as a JSON object, nesting bounded (deep nesting would recurse past Python's limit)."""
-    if _nesting(raw) > MAX_NESTING:
-        raise ApiError(400, f"request body is nested deeper than {MAX_NESTING} levels")
+    """The body as a JSON object, nested at most MAX_NESTING deep (what validation walks recursively)."""
+    too_deep = ApiError(400, f"request body is nested deeper than {MAX_NESTING} levels")
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+    except RecursionError:  # the parser's own bound, far past ours
+        raise too_deep from None
+    except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {quote(str(exc))}") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    # a bracket inside a string (a text prompt's) is no nesting: measure the parsed body, where
+    # there are enough brackets for it to matter
+    if raw.count(b"[") + raw.count(b"{") > MAX_NESTING and _depth(body) > MAX_NESTING:
+        raise too_deep
     return body
 
 
-def _nesting(raw: bytes) -> int:
-    """The JSON nesting depth, without parsing: brackets outside strings (a text prompt may hold
-    any number of them). Malformed JSON may read wrong here; json.loads refuses it next."""
-    if raw.count(b"[") + raw.count(b"{") <= MAX_NESTING:
-        return 0
-    depth = deepest = 0
-    for byte in _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS):
-        depth += 1 if byte in b"[{" else -1
-        deepest = max(deepest, depth)
-        if deepest > MAX_NESTING:
-            break
+def _depth(value: Any) -> int:
+    """How deep lists and dicts nest in a parsed JSON value, without recursion."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > deepest:
+            deepest = depth
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, list | dict))
     return deepest
-
-
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)  # a JSON string, escapes included
 
 
 def _validate(model: type[BaseModel], body: dict) -> BaseModel:
