@@ -73,56 +73,46 @@ def test_requests_drained_but_not_yet_stepped_still_count_against_max_waiting():
         loop.close()
 
 
-def test_once_the_engine_loop_has_failed_submit_refuses_instead_of_queueing_for_nobody():
+class RecordingSink(RequestSink):
+    """A sink that keeps its events in a list (no event loop needed)."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def put(self, event) -> None:
+        self.events.append(event)
+
+
+def run_with_broken(method: str, error: str) -> tuple[EngineThread, RecordingSink]:
+    """An engine thread whose engine raises ``error`` from ``method``, after one request ("a") was
+    submitted before the loop started; returns once the loop has ended."""
     def build() -> Engine:
         engine = Engine(SchedulerConfig(max_num_seqs=1), TINY)
 
-        def broken(now_s: float):
-            raise RuntimeError("boom")
+        def broken(*args):
+            raise RuntimeError(error)
 
-        engine.step = broken  # type: ignore[method-assign]
+        setattr(engine, method, broken)
         return engine
 
-    thread = EngineThread(build, max_waiting=4)
-    loop = asyncio.new_event_loop()
-    try:
-        events: list = []
-        sink = RequestSink(loop)
-        sink.put = events.append  # type: ignore[method-assign]
-        thread.submit(Request("a", [1], 1), sink)  # before the loop runs: its first step is the one that fails
-        thread.start()
-        thread._thread.join(60)
-        assert not thread._thread.is_alive() and "boom" in thread.error
-        assert [e.finish_reason for e in events] == ["abort"] and "boom" in events[0].error  # told, not lost
-        with pytest.raises(EngineClosed, match="boom"):
-            thread.submit(Request("b", [1], 1), sink)
-    finally:
-        loop.close()
+    thread, sink = EngineThread(build, max_waiting=4), RecordingSink()
+    thread.submit(Request("a", [1], 1), sink)  # before the loop runs: no timing in what fails first
+    thread.start()
+    thread._thread.join(60)
+    assert not thread._thread.is_alive() and error in thread.error
+    return thread, sink
+
+
+def test_once_the_engine_loop_has_failed_submit_refuses_instead_of_queueing_for_nobody():
+    thread, sink = run_with_broken("step", "boom")
+    assert [e.finish_reason for e in sink.events] == ["abort"] and "boom" in sink.events[0].error  # told, not lost
+    with pytest.raises(EngineClosed, match="boom"):
+        thread.submit(Request("b", [1], 1), sink)
 
 
 def test_a_request_the_engine_fails_to_accept_is_answered_before_the_loop_fails():
-    def build() -> Engine:
-        engine = Engine(SchedulerConfig(max_num_seqs=1), TINY)
-
-        def broken(request: Request) -> None:
-            raise RuntimeError("bug in add")
-
-        engine.add_request = broken  # type: ignore[method-assign]
-        return engine
-
-    thread = EngineThread(build, max_waiting=4)
-    loop = asyncio.new_event_loop()
-    try:
-        events: list = []
-        sink = RequestSink(loop)
-        sink.put = events.append  # type: ignore[method-assign]
-        thread.submit(Request("a", [1], 1), sink)
-        thread.start()
-        thread._thread.join(60)
-        assert "bug in add" in thread.error
-        assert [e.finish_reason for e in events] == ["error"] and "bug in add" in events[0].error
-    finally:
-        loop.close()
+    _, sink = run_with_broken("add_request", "bug in add")
+    assert [e.finish_reason for e in sink.events] == ["error"] and "bug in add" in sink.events[0].error
 
 
 def test_parse_accepts_token_ids_text_and_a_batch_of_one():
