@@ -43,6 +43,12 @@ def round_factors(times: Sequence[Sequence[float]], typical: Sequence[float],
     return out
 
 
+def _flags(contended: Sequence[Sequence[bool]], i: int, n: int) -> list[bool]:
+    """Shape i's contended flag for each of its ``n`` calls (callers may pass fewer flags, or none)."""
+    given = list(contended[i][:n]) if i < len(contended) else []
+    return given + [False] * (n - len(given))
+
+
 def noise_report(times: Sequence[Sequence[float]], typical: Sequence[float], predicted: Sequence[float],
                  kinds: Sequence[str], rounds: int | Sequence[int], contended: Sequence[Sequence[bool]] = ()) -> dict:
     """The profile's ``noise`` entry. ``times[i]`` are shape i's timed calls in round order
@@ -54,18 +60,17 @@ def noise_report(times: Sequence[Sequence[float]], typical: Sequence[float], pre
     per_shape = _per_shape(rounds, len(times))
     grid = [i for i, k in enumerate(kinds) if k != "engine"]
     factors = round_factors([times[i] for i in grid], [typical[i] for i in grid], [per_shape[i] for i in grid])
+    flags = [_flags(contended, i, len(ts)) for i, ts in enumerate(times)]
     calls: list[float] = []
     for i, ts in enumerate(times):
-        flags = contended[i] if i < len(contended) else ()
-        for r, t in enumerate(ts):
-            if t <= 0 or predicted[i] <= 0 or (r < len(flags) and flags[r]):
+        for r, (t, disturbed) in enumerate(zip(ts, flags[i])):
+            if t <= 0 or predicted[i] <= 0 or disturbed:
                 continue
             shift = factors[r] if kinds[i] != "engine" and r < min(len(factors), per_shape[i]) else 0.0
             calls.append(math.log(t / predicted[i]) - shift)
     spreads = []  # over each grid shape's undisturbed repeats, as the fit takes them
     for i in grid:
-        flags = contended[i] if i < len(contended) else ()
-        clean = [t for r, t in enumerate(times[i]) if not (r < len(flags) and flags[r])]
+        clean = [t for t, disturbed in zip(times[i], flags[i]) if not disturbed]
         if len(clean) > 1:
             spreads.append((max(clean) - min(clean)) / statistics.median(clean))
     cvs = [float(np.std(times[i]) / np.mean(times[i])) for i in grid if len(times[i]) > 1]
