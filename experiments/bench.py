@@ -35,7 +35,8 @@ register("bench_schema", BenchApp)
 def bench(app: BenchApp, out_dir: Path) -> dict:
     info = asyncio.run(fetch_model_info(app.bench.url))
     workload = app.workload
-    requests = make_requests(generate(workload), vocab_size=prompt_vocab_size(info, app.bench), seed=workload.seed, prefix="bench")
+    requests = make_requests(generate(workload), vocab_size=prompt_vocab_size(info, app.bench), seed=workload.seed,
+                             prefix="bench")
     result = asyncio.run(run_bench(requests, app.bench, model=info["id"]))
     write_outputs(result, out_dir)
     write_results_json(out_dir / "results.json", result.metrics, backend="openai", label="miniserve",
