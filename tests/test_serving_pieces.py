@@ -1,10 +1,9 @@
-"""The serving layer's pieces without a server: text streaming and stops, the byte-level
-tokenizer, the sampler, and the request checks for what this server does not implement."""
+"""The serving layer's pieces without a server: the byte-level tokenizer, the sampler, and the
+request checks for what this server does not implement (text streaming: test_detokenize.py)."""
 
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import tokenizers
@@ -16,59 +15,9 @@ from engine.core.sampling import SamplingParams
 from engine.model.sampler import filtered_probs, sample
 from engine.model.tokenizer import byte_tokenizer
 from engine.serving.app import _tokenize
-from engine.serving.detokenize import TextStream
 from engine.serving.protocol import MAX_NESTING, ApiError, parse_chat, parse_completion, parse_json
 
 TOK = byte_tokenizer(512, eos_token_id=1)
-
-
-def decode(ids: list[int]) -> str:
-    return TOK.decode(ids, skip_special_tokens=True)
-
-
-def stream(ids: list[int], **stops) -> tuple[str, TextStream]:
-    ts = TextStream(decode, **stops)
-    out = ""
-    for token in ids:
-        stopped = ts.add(token)
-        out += ts.pending(final=False)
-        if stopped:
-            break
-    return out + ts.pending(final=True), ts
-
-
-def test_streamed_pieces_add_up_to_the_whole_decode_byte_for_byte():
-    ids = TOK.encode("中文 é ok 🙂")
-    pieces = []
-    ts = TextStream(decode)
-    for token in ids:
-        ts.add(token)
-        pieces.append(ts.pending(final=False))
-    pieces.append(ts.pending(final=True))
-    assert "".join(pieces) == "中文 é ok 🙂"
-    assert "\ufffd" not in "".join(pieces[:-1])  # never a half character on the wire
-    assert decode(ids[:1]) == "\ufffd"  # what decoding one chunk's bytes alone gave
-
-
-def test_random_byte_sequences_stream_exactly_as_they_decode():
-    rng = random.Random(0)
-    for _ in range(200):
-        ids = [rng.choice([rng.randrange(4, 259), *TOK.encode("中é")]) for _ in range(rng.randrange(1, 25))]
-        out, _ = stream(ids)
-        assert out == decode(ids)
-
-
-def test_stop_string_trims_the_text_even_split_across_tokens():
-    ids = TOK.encode("hello world, bye")
-    out, ts = stream(ids, stop=("ld, b", "zzz"))
-    assert out == ts.text == "hello wor"
-    assert ts.stopped and decode(ts.token_ids) == "hello world, b"  # tokens up to the one that completed it
-
-
-def test_stop_token_id_ends_the_output_without_its_text():
-    ids = TOK.encode("abc")
-    out, ts = stream(ids + ids, stop_token_ids=frozenset({ids[1]}))
-    assert (out, ts.token_ids) == ("a", ids[:2])
 
 
 def test_byte_tokenizer_round_trips_saves_and_loads_as_tokenizer_json(tmp_path):

@@ -1,34 +1,70 @@
 """Token ids to text for one response, incrementally, with OpenAI's stop rules.
 
-Streamed pieces must concatenate to exactly the non-streamed text. Decoding each chunk's tokens
-alone breaks that (a CJK character split over two byte tokens comes out as two U+FFFD), so the
-whole output is decoded again after every token and only its new, settled tail is sent: text
-that ends in U+FFFD may still become a character, and text that could be the start of a stop
-string may still be cut. At the end everything left is sent, so the concatenation equals
-``decode(all ids)`` trimmed at the stop, byte for byte, whatever the tokenizer.
+Streamed pieces must concatenate to exactly the non-streamed text, ``decode(all ids)`` trimmed at
+the stop, byte for byte. Decoding each token alone breaks that (a CJK character split over two
+byte tokens comes out as two U+FFFD); decoding the whole output again after every token keeps it
+but costs O(n) per token, O(n²) per response, on the event loop every client shares (seconds of
+CPU for a response of a few thousand tokens).
+
+A byte-level decoder (GPT-2's ``ByteLevel``, which every Qwen checkpoint uses, and the bundled
+byte tokenizer) lays the tokens' bytes end to end and decodes them as UTF-8. UTF-8 resynchronises
+after every complete character, so once the text decoded so far ends in a real character (not
+U+FFFD, which a later byte may still complete), nothing after it can change it: that text is
+settled, and only the tokens after it are decoded again. Each token then costs the decode of a
+few tokens. Any other decoder (SentencePiece's leading-space rule, WordPiece's clean-up) may
+rewrite earlier text in the light of later tokens, so it keeps the whole decode per token.
+
+Text that ends in U+FFFD may still become a character, and text that could be the start of a
+stop string may still be cut: ``pending`` holds both back until they are settled, and at the end
+sends everything left.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from tokenizers import decoders
+
 REPLACEMENT = "\ufffd"
 
 
+def decodes_bytewise(tokenizer) -> bool:
+    """True when ``tokenizer.decode`` is UTF-8 over the tokens' bytes laid end to end."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return (backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", True))
+
+
 class TextStream:
-    """Feeds on output token ids; knows the text so far and when a stop was hit."""
+    """Feeds on output token ids; knows the text so far and when a stop was hit.
+
+    ``bytewise`` (see ``decodes_bytewise``) lets it settle text and decode only the tokens after
+    it; without it every token decodes the whole output again.
+    """
 
     def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = (),
-                 stop_token_ids: frozenset[int] = frozenset()) -> None:
+                 stop_token_ids: frozenset[int] = frozenset(), bytewise: bool = False) -> None:
         self._decode = decode
+        self._bytewise = bytewise
         self.stop = tuple(s for s in stop if s)
         self.stop_token_ids = stop_token_ids
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []  # every output token, the stopping one included
-        self._text_ids: list[int] = []  # the tokens that make the text (a stop token does not)
-        self.text = ""
-        self.sent = 0  # characters of ``text`` handed out by ``pending``
+        self._settled: list[str] = []  # the text that can no longer change, in pieces
+        self._settled_len = 0
+        self._recent = ""  # the settled text's last ``_holdback`` characters, where a stop string may begin
+        self._tail_ids: list[int] = []  # the tokens after the settled text (all of them unless bytewise)
+        self._tail = ""  # their text
+        self._unsent: list[str] = []  # settled text ``pending`` has not handed out yet
+        self._sent = 0  # characters handed out by ``pending``
+        self._cut: str | None = None  # the whole text, once a stop string has cut it
         self.stopped = False
+
+    @property
+    def text(self) -> str:
+        if self._cut is not None:
+            return self._cut
+        return "".join(self._settled) + self._tail
 
     def add(self, token_id: int) -> bool:
         """One more output token; True once a stop token or stop string has ended the output."""
@@ -38,23 +74,51 @@ class TextStream:
         if token_id in self.stop_token_ids:
             self.stopped = True
             return True
-        self._text_ids.append(token_id)
-        self.text = self._decode(self._text_ids)
+        if self._bytewise and self._tail_ids and not self._decode([token_id]):
+            return False  # no bytes (a skipped special token, an id with no text): nothing changes
+        self._tail_ids.append(token_id)
+        self._tail = self._decode(self._tail_ids)
+        if self._bytewise and not self._tail:
+            self._tail_ids = []  # no bytes yet, so nothing to settle
+        window_start = self._settled_len - len(self._recent)
+        window = self._recent + self._tail
+        if self._bytewise and self._tail and not self._tail.endswith(REPLACEMENT):
+            self._settle()
         if self.stop:
-            hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+            hits = [i for i in (window.find(s) for s in self.stop) if i >= 0]
             if hits:
-                self.text = self.text[:min(hits)]  # OpenAI leaves the stop string out
+                # OpenAI leaves the stop string out
+                self._cut = self.text[:window_start + min(hits)]
                 self.stopped = True
         return self.stopped
 
+    def _settle(self) -> None:
+        already_sent = max(0, self._sent - self._settled_len)
+        if already_sent < len(self._tail):
+            self._unsent.append(self._tail[already_sent:])
+        self._settled.append(self._tail)
+        self._settled_len += len(self._tail)
+        recent = self._recent + self._tail
+        self._recent = recent[-self._holdback:] if self._holdback else ""
+        self._tail_ids, self._tail = [], ""
+
     def pending(self, final: bool) -> str:
         """Text not yet handed out that can no longer change (all of it when ``final``)."""
-        end = len(self.text)
+        if self._cut is not None:
+            piece = self._cut[self._sent:]
+            self._sent += len(piece)
+            return piece
+        end = self._settled_len + len(self._tail)
         if not final and not self.stopped:
-            end = len(self.text.rstrip(REPLACEMENT))
-            end = min(end, len(self.text) - self._holdback)
-        if end <= self.sent:
+            # a trailing U+FFFD may still become a character, and that character may end a stop
+            # string; settled text never ends in U+FFFD
+            end = self._settled_len + len(self._tail.rstrip(REPLACEMENT)) - self._holdback
+        if end <= self._sent:
             return ""
-        piece = self.text[self.sent:end]
-        self.sent = end
+        unsent_settled = "".join(self._unsent)
+        available = unsent_settled + self._tail[max(0, self._sent - self._settled_len):]
+        piece = available[:end - self._sent]
+        rest = unsent_settled[len(piece):]
+        self._unsent = [rest] if rest else []
+        self._sent = end
         return piece
