@@ -141,3 +141,17 @@ def test_errors_quote_only_a_short_prefix_of_bad_input():
     with pytest.raises(ApiError) as err:
         parse_completion({"prompt": [1], "max_tokens": "9" * 5_000_000})
     assert err.value.param == "max_tokens" and len(err.value.message) < 300
+
+
+def test_unknown_fields_are_ignored_but_named_once_in_the_log(caplog):
+    """vLLM ignores them too; the warning is how a typo such as max_token gets noticed."""
+    with caplog.at_level("WARNING", logger="miniserve.server"):
+        params = parse_completion({"prompt": [1], "max_token": 99, "max_tokens_typo_2": 1})
+        parse_completion({"prompt": [1], "max_token": 99})
+    assert params.max_tokens == 16  # ignored: the default stands
+    warnings = [r.getMessage() for r in caplog.records if "ignored request fields" in r.getMessage()]
+    assert len(warnings) == 1 and "'max_token'" in warnings[0] and "'max_tokens_typo_2'" in warnings[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="miniserve.server"):
+        parse_chat({"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "logprobs": False})
+    assert not caplog.records  # known fields are not named

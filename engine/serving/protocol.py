@@ -4,7 +4,8 @@
 Types are strict (``true`` is not a token id, ``"8"`` is not ``max_tokens``, NaN is nothing);
 semantic limits (vocabulary, context length, KV capacity) are checked against the running
 engine before a request is accepted. Fields this server does not know are ignored, as vLLM
-does; fields it knows but does not implement are refused with a 400 naming them unless they
+does, and named in a warning the first time each is seen (a typo such as ``max_token`` would
+otherwise pass unnoticed); fields it knows but does not implement are refused with a 400 naming them unless they
 carry their no-op value, so nothing is silently dropped. Messages quote at most a short prefix
 of the offending input.
 """
@@ -12,6 +13,7 @@ of the offending input.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -170,7 +172,22 @@ def _depth(value: Any) -> int:
     return deepest
 
 
+log = logging.getLogger("miniserve.server")
+_WARNED_UNKNOWN: set[str] = set()  # unknown field names already logged, bounded by MAX_WARNED_UNKNOWN
+MAX_WARNED_UNKNOWN = 256
+
+
+def _warn_unknown(model: type[BaseModel], body: dict) -> None:
+    new = [k for k in body if k not in model.model_fields and k not in UNSUPPORTED and k not in _WARNED_UNKNOWN]
+    new = new[:MAX_WARNED_UNKNOWN - len(_WARNED_UNKNOWN)]
+    if new:
+        _WARNED_UNKNOWN.update(new)
+        log.warning("ignored request fields this server does not know (logged once each): %s",
+                    ", ".join(quote(k) for k in new))
+
+
 def _validate(model: type[BaseModel], body: dict) -> BaseModel:
+    _warn_unknown(model, body)
     for name, allowed in UNSUPPORTED.items():
         if name in body and body[name] not in allowed:
             raise ApiError(400, f"{name}: not supported by miniserve (got {quote(body[name])}); "
