@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import platform
 import time
@@ -174,16 +175,17 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     plan = plan_to_budget(pool, shapes, cfg, spec.repeats, t0)
     # with a time budget, what it leaves for measuring bounds the retries and extra rounds too
     robust = cfg.robust if plan.budget_s is None else replace(cfg.robust, budget_s=plan.budget_s)
-    with MemoryStamp() as memory:
+    stamp = functools.partial(memory_read_gb_s, device=runner.device)  # the memory the weights sit in
+    with MemoryStamp(runner.device) as memory:
         measurements, mlog = measure_shapes(pool, plan.shapes, plan.repeats, plan.warmups, cfg.seed,
-                                            cfg.progress, robust, memory_read_gb_s)
+                                            cfg.progress, robust, stamp)
         after_idle = measure_after_idle(pool, [s for s in IDLE_SHAPES if s.max_len <= max_len
                                                 and s.num_requests <= slots])
         pool.release()
         overhead, engine_calls = measure_engine_runs(runner, min(8, slots), cfg.overhead_runs)
         copy = measure_kv_copy(runner)
     measurements += engine_calls
-    machine = measure_machine(runner.model.dtype)
+    machine = measure_machine(runner.model.dtype, device=runner.device)
     mshape = ModelShape.of(runner.model)
 
     heldout = split_heldout([m.shape.kind for m in measurements], cfg.heldout_fraction, cfg.seed)

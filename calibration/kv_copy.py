@@ -9,12 +9,12 @@ through them. The simulator charges ``kv_copy_s_per_token`` × the plan's ``kv_c
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
+from engine.model.device import DeviceTimer
 from engine.model.prefix_store import PrefixKVStore
 from engine.model.runner import ModelRunner
 
@@ -50,17 +50,18 @@ def measure_kv_copy(runner: ModelRunner, block_size: int = 16, sizes: tuple[int,
         for layer in store.keys + store.values:  # touch every page once: a run's store is warm too
             layer.normal_()
     medians = {"load": [], "save": []}
+    timer = DeviceTimer(runner.device)  # a GPU copy returns before it is done
     for n in sizes:
         ids = list(range(n // block_size))
         for kind in medians:
             times = []
             for _ in range(repeats + 1):  # the first is a warm-up
-                start = time.perf_counter()
+                timer.start()
                 if kind == "load":
                     store.load(runner.cache, 0, ids)
                 else:
                     store.save(runner.cache, 0, 0, ids)
-                times.append(time.perf_counter() - start)
+                times.append(timer.stop())
             medians[kind].append(statistics.median(times[1:]))
     tokens = np.asarray([n // block_size * block_size for n in sizes], dtype=float)
     (load_slope, load_fixed), (save_slope, save_fixed) = (

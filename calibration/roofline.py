@@ -68,37 +68,62 @@ def roofline_s(plan: BatchPlan, shape: ModelShape, machine: Machine) -> float:
     return max(bytes_moved / machine.bandwidth_bytes_s, flops / machine.matmul_flops_s)
 
 
-def best_s(fn, repeats: int = 5) -> float:
-    """Fastest of ``repeats`` timed calls after one untimed: a machine's limit, not its noise."""
+def best_s(fn, repeats: int = 5, device="cpu") -> float:
+    """Fastest of ``repeats`` timed calls after one untimed: a machine's limit, not its noise. On a
+    GPU each call is waited for (a launch returns before the work is done)."""
+    sync = _synchronizer(device)
     fn()
     times = []
     for _ in range(repeats):
+        sync()
         t = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t)
     return min(times)
 
 
-def memory_read_gb_s(mem_bytes: int = 256 << 20, repeats: int = 3) -> float:
-    """Read bandwidth now, in ordinary pages as the engine's weights sit: a quick stamp (~0.1 s)
-    for a real run or a calibration. Decode calls run at memory speed, and on a shared host the
-    bandwidth moves with other tenants (docs/architecture.md has this VM's range), so a
-    simulated-vs-real gap with different stamps is the machine, not the model."""
+def _synchronizer(device):
+    if str(device) == "cpu":
+        return lambda: None
     import torch
 
-    buf = torch.ones(mem_bytes // 4)
-    return mem_bytes / best_s(lambda: buf.sum(), repeats) / 1e9
+    from engine.model.device import synchronize
+    return lambda: synchronize(torch.device(device))
+
+
+def _onednn_runs(dtype, device) -> bool:
+    """oneDNN's pre-packed linear exists for CPU tensors of ``dtype`` here (its bf16 path refuses
+    CPUs without AVX-512 or AVX-NE-CONVERT)."""
+    if str(device) != "cpu":
+        return False
+    from engine.model.kernels.dispatch import onednn_available
+    return onednn_available(dtype)
+
+
+def memory_read_gb_s(mem_bytes: int = 256 << 20, repeats: int = 3, device="cpu") -> float:
+    """Read bandwidth now, of the memory the model's weights sit in (the host's, or the GPU's): a
+    quick stamp (~0.1 s) for a real run or a calibration. Decode calls run at memory speed, and on
+    a shared host the bandwidth moves with other tenants (docs/architecture.md has this VM's range),
+    so a simulated-vs-real gap with different stamps is the machine, not the model."""
+    import torch
+
+    buf = torch.ones(mem_bytes // 4, device=device)
+    return mem_bytes / best_s(lambda: buf.sum(), repeats, device) / 1e9
 
 
 class MemoryStamp:
-    """``with MemoryStamp() as stamp: work`` — memory_read_gb_s just before and just after."""
+    """``with MemoryStamp(device) as stamp: work`` — memory_read_gb_s just before and just after."""
+
+    def __init__(self, device="cpu") -> None:
+        self.device = device
 
     def __enter__(self) -> MemoryStamp:
-        self.before = memory_read_gb_s()
+        self.before = memory_read_gb_s(device=self.device)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.after = memory_read_gb_s()
+        self.after = memory_read_gb_s(device=self.device)
 
     @property
     def gb_s(self) -> float:
@@ -114,35 +139,39 @@ class BandwidthProbe:
     meaningful against a probe taken in the same spell, so benchmarks interleave the two.
 
     Probes: a sum over a buffer far larger than cache, torch's matrix-vector product, and oneDNN's
-    pre-packed matrix-vector product over the same buffer; the
+    pre-packed matrix-vector product over the same buffer (CPU, where oneDNN runs the dtype); the
     fastest of them, each best of ``repeats``. Best-of and fastest-of because noise only ever
     slows a probe down, and a limit must not be understated.
     """
 
-    def __init__(self, dtype, mem_bytes: int = 512 << 20, k: int = 896) -> None:
+    def __init__(self, dtype, mem_bytes: int = 512 << 20, k: int = 896, device="cpu") -> None:
         import torch
 
+        self.device = device
         esize = torch.empty((), dtype=dtype).element_size()
         rows = mem_bytes // esize // k
-        # The read buffer sits in transparent huge pages: with 4 KiB pages the same sum varied
-        # twofold from run to run (page placement; docs/architecture.md).
-        self._buf = mmap.mmap(-1, rows * k * esize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (shared gets no THP)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            self._buf.madvise(mmap.MADV_HUGEPAGE)
+        self._buf = None
         with torch.inference_mode():
-            self._w = torch.frombuffer(self._buf, dtype=dtype).view(rows, k).normal_()
-            self._v = torch.randn(k, 1, dtype=dtype)
-            self._packed = (torch.ops.mkldnn._reorder_linear_weight(self._w, 1)
-                            if torch.backends.mkldnn.is_available() else None)
+            if str(device) == "cpu":
+                # The read buffer sits in transparent huge pages: with 4 KiB pages the same sum varied
+                # twofold from run to run (page placement; docs/architecture.md).
+                self._buf = mmap.mmap(-1, rows * k * esize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (shared gets no THP)
+                if hasattr(mmap, "MADV_HUGEPAGE"):
+                    self._buf.madvise(mmap.MADV_HUGEPAGE)
+                self._w = torch.frombuffer(self._buf, dtype=dtype).view(rows, k).normal_()
+            else:
+                self._w = torch.empty(rows, k, dtype=dtype, device=device).normal_()
+            self._v = torch.randn(k, 1, dtype=dtype, device=device)
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self._w, 1) if _onednn_runs(dtype, device) else None
         self.nbytes = rows * k * esize
 
     def measure(self, repeats: int = 5) -> float:
         """Bytes per second."""
         import torch
 
-        w, v, flat = self._w, self._v, self._w.view(-1)
+        w, v, flat, device = self._w, self._v, self._w.view(-1), self.device
         with torch.inference_mode():
-            read_s = min(best_s(lambda: w @ v, repeats), best_s(lambda: flat.sum(), repeats))
+            read_s = min(best_s(lambda: w @ v, repeats, device), best_s(lambda: flat.sum(), repeats, device))
             if self._packed is not None:
                 pw, vt = self._packed, v.T
                 read_s = min(read_s, best_s(
@@ -151,18 +180,19 @@ class BandwidthProbe:
 
     def close(self) -> None:
         del self._w, self._v, self._packed
-        self._buf.close()
+        if self._buf is not None:
+            self._buf.close()
 
 
-def measure_matmul(dtype, repeats: int = 5) -> float:
+def measure_matmul(dtype, repeats: int = 5, device="cpu") -> float:
     """Matmul throughput (FLOP/s) on model-like shapes: torch matmul or oneDNN's pre-packed linear,
     whichever is faster, best of ``repeats``."""
     import torch
 
     def linear_s(m: int, k: int, n: int) -> float:
-        w, x = torch.randn(n, k, dtype=dtype), torch.randn(m, k, dtype=dtype)
-        t = best_s(lambda: x @ w.T, repeats)
-        if torch.backends.mkldnn.is_available():
+        w, x = torch.randn(n, k, dtype=dtype, device=device), torch.randn(m, k, dtype=dtype, device=device)
+        t = best_s(lambda: x @ w.T, repeats, device)
+        if _onednn_runs(dtype, device):
             pw = torch.ops.mkldnn._reorder_linear_weight(w, m)
             t = min(t, best_s(lambda: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], ""), repeats))
         return t
@@ -171,11 +201,11 @@ def measure_matmul(dtype, repeats: int = 5) -> float:
         return max(2 * m * k * n / linear_s(m, k, n) for m, k, n in ((256, 896, 4864), (512, 4864, 896), (1024, 1024, 1024)))
 
 
-def measure_machine(dtype, repeats: int = 5, mem_bytes: int = 512 << 20) -> Machine:
-    """This machine's limit for ``dtype`` now: read bandwidth and matmul throughput."""
-    probe = BandwidthProbe(dtype, mem_bytes)
+def measure_machine(dtype, repeats: int = 5, mem_bytes: int = 512 << 20, device="cpu") -> Machine:
+    """This machine's limit for ``dtype`` on ``device`` now: read bandwidth and matmul throughput."""
+    probe = BandwidthProbe(dtype, mem_bytes, device=device)
     try:
         bandwidth = probe.measure(repeats)
     finally:
         probe.close()
-    return Machine(bandwidth, measure_matmul(dtype, repeats))
+    return Machine(bandwidth, measure_matmul(dtype, repeats, device))

@@ -81,7 +81,7 @@ def run_scheduler(model: ModelConfig, scheduler: SchedulerConfig, workload: Work
         engine.warmup()
     requests = make_requests(generate(workload), vocab_size=engine.runner.vocab_size, seed=workload.seed)
     trace_path = out_dir / f"trace_{scheduler.name}.json"
-    with MemoryStamp() as memory:
+    with MemoryStamp(engine.runner.device) as memory:
         if profile:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 result = engine.run(requests)

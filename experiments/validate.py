@@ -227,7 +227,7 @@ def real_run(engine, row: Row, calibration_gb_s: float, limits: Contention) -> d
     engine.reset(row.scheduler)
     engine.warmup()
     requests = make_requests(generate(row.workload), vocab_size=engine.runner.vocab_size, seed=row.workload.seed)
-    with MemoryStamp() as memory, Interval() as others:
+    with MemoryStamp(engine.runner.device) as memory, Interval() as others:
         real = engine.run(requests)
     metrics = with_trace(real.metrics(), real.trace_calls(), row.scheduler.max_num_seqs)
     reason = contended(others.others_cores, memory.gb_s, calibration_gb_s, limits)

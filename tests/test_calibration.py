@@ -18,7 +18,7 @@ from calibration.cost_model import FEATURES, SAMPLE_KNOTS, TOKEN_KNOTS, CostMode
 from calibration.fit import Errors, fit_nnls, split_heldout
 from calibration.grid import GRID_SPECS, Shape, build_grid
 from calibration.profiler import Measurement, step_overheads
-from calibration.roofline import Machine, ModelShape, call_work, roofline_s
+from calibration.roofline import Machine, ModelShape, best_s, call_work, measure_machine, roofline_s
 from engine.core.config import ModelConfig
 from engine.llm_engine import StepRecord
 from engine.model import kernels
@@ -168,7 +168,7 @@ def test_roofline_counts_weights_kv_and_flops():
 
 def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tmp_path):
     out = subprocess.run([sys.executable, "-m", "experiments.calibrate", "model=tiny", "calibration.grid=quick",
-                          "model.num_threads=1", f"hydra.run.dir={tmp_path}"],
+                          "model.num_threads=1", "model.device=cpu", f"hydra.run.dir={tmp_path}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "held out" in out.stdout and "roofline" in out.stdout
@@ -274,3 +274,20 @@ def test_a_grid_without_calls_near_a_knot_fits_the_curve_there_from_its_neighbou
     for t in range(1 if model == "physical" else 4, 97):
         plan = BatchPlan.of("serial", ["a"], [t], [0], [True], 0)
         assert fit.predict(plan) == pytest.approx(truth.predict(plan), rel=0.03), t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_machine_probes_run_in_each_dtype_on_any_cpu(dtype):
+    """oneDNN's bf16 packing refuses a CPU without AVX-512 (an error, not a slow path): a bf16
+    calibration there must probe without it."""
+    machine = measure_machine(dtype, repeats=1, mem_bytes=16 << 20)
+    assert machine.bandwidth_bytes_s > 0 and machine.matmul_flops_s > 0
+
+
+def test_probes_on_a_gpu_wait_for_each_call(monkeypatch):
+    """A launch returns before the work is done: timing it alone would read the launch."""
+    from engine.model import device as dev
+    events = []
+    monkeypatch.setattr(dev, "synchronize", lambda device: events.append(("sync", device.type)))
+    best_s(lambda: events.append("call"), repeats=2, device="cuda")
+    assert events == ["call", ("sync", "cuda"), "call", ("sync", "cuda"), ("sync", "cuda"), "call", ("sync", "cuda")]
