@@ -76,6 +76,19 @@ def test_dtype_auto_is_bf16_only_where_the_cpu_has_bf16_arithmetic(monkeypatch, 
     assert "model.dtype=auto" in caplog.text  # the choice is logged
 
 
+@pytest.mark.parametrize("capability,native", [((7, 5), False), ((7, 0), False), ((8, 0), True), ((9, 0), True)])
+def test_dtype_auto_on_cuda_is_bf16_only_where_the_gpu_computes_it(monkeypatch, capability, native):
+    """A T4 (7.5) or V100 (7.0) runs bf16 emulated, slower than fp32; Ampere (8.x) on natively."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert dev.resolve_dtype("auto", torch.device("cuda")) == ("bfloat16" if native else "float32")
+
+
+@NO_MPS
+def test_dtype_auto_on_mps_probes_bf16_and_takes_fp32_when_refused():
+    assert not dev.device_has_bf16(torch.device("mps"))  # the probe fails here as on macOS < 14
+
+
 def test_cpu_timer_measures_wall_time():
     timer = dev.DeviceTimer("cpu")
     timer.start()

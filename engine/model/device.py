@@ -53,9 +53,15 @@ def resolve_device(name: str) -> torch.device:
 def device_has_bf16(device: torch.device) -> bool:
     """Whether bf16 arithmetic is native on ``device`` (not widened to fp32 per operation)."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        if torch.version.hip:
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+        return torch.cuda.get_device_capability(device)[0] >= 8  # Ampere on; a T4 or V100 emulates it
     if device.type == "mps":
-        return True  # MPS runs bf16 natively since macOS 14; torch refuses it below that at load
+        try:  # MPS runs bf16 natively from macOS 14 on; torch refuses it below that
+            torch.ones(1, dtype=torch.bfloat16, device=device)
+        except (RuntimeError, TypeError):
+            return False
+        return True
     return has_bf16_arithmetic(cpu_features())
 
 
