@@ -80,7 +80,26 @@ def test_a_mask_is_another_machine(monkeypatch):
     monkeypatch.delenv("MINISERVE_CPU_FEATURES", raising=False)
     full = dispatch.machine_key()
     monkeypatch.setenv("MINISERVE_CPU_FEATURES", "none")
-    assert dispatch.machine_key()["allowed"] == [] and dispatch.table_path(dispatch.machine_key()) != dispatch.table_path(full)
+    masked = dispatch.machine_key()
+    assert masked["allowed"] == [] and dispatch.table_path(masked) != dispatch.table_path(full)  # on any CPU
+
+
+def test_a_cached_choice_that_cannot_run_here_now_is_measured_again(tmp_path, monkeypatch):
+    """A shared cache, or a kernel build that failed since: the table named gemv, which is gone."""
+    key = dispatch.machine_key()
+    path = tmp_path / "dispatch.json"
+    dispatch.save_table(path, dispatch.Table(key, {"float32": ["gemv"] * len(CLASSES)}, {"float32": "kernel"}))
+    monkeypatch.setattr(dispatch, "table_path", lambda k: path)
+    monkeypatch.setattr(dispatch, "_TABLES", {})
+    monkeypatch.setattr(dispatch, "linear_candidates", lambda dtype: ["torch"])
+
+    def measure(dtype, table):
+        table.linear["float32"], table.attention["float32"] = ["torch"] * len(CLASSES), "sdpa"
+        return True
+
+    monkeypatch.setattr(dispatch, "measure", measure)
+    assert dispatch.linear_choices(torch.float32) == ["torch"] * len(CLASSES)
+    assert json.loads(path.read_text())["linear"]["float32"] == ["torch"] * len(CLASSES)  # the cache is mended
 
 
 def test_forcing_a_candidate(monkeypatch):
@@ -115,8 +134,17 @@ def test_choices_are_kept_only_when_two_measurements_agree():
 
 def test_an_unsettled_measurement_is_used_but_not_cached(monkeypatch):
     winners = iter(["torch", "gemv", "onednn"])
+    monkeypatch.setattr(dispatch, "linear_candidates", lambda dtype: ["gemv", "onednn", "torch"])
     monkeypatch.setattr(dispatch, "measure_linear", lambda dtype: _timings(next(winners)))
     table = dispatch.Table(dispatch.machine_key())
     assert dispatch.measure(torch.float32, table) is False  # table() then does not save it
     assert len(table.linear["float32"]) == len(dispatch.ROW_CLASSES)
     assert next(winners, None) is None  # measured three times
+
+
+def test_a_lone_candidate_is_taken_without_timing(monkeypatch):
+    """A torch without oneDNN on a CPU without the kernels (macOS arm64) has only F.linear."""
+    monkeypatch.setattr(dispatch, "linear_candidates", lambda dtype: ["torch"])
+    monkeypatch.setattr(dispatch, "measure_linear", lambda dtype: pytest.fail("timed a choice of one"))
+    table = dispatch.Table(dispatch.machine_key())
+    assert dispatch.measure(torch.float32, table) and table.linear["float32"] == ["torch"] * len(CLASSES)

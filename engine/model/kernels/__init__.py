@@ -35,6 +35,7 @@ import logging
 import math
 import mmap
 import os
+import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -191,8 +192,9 @@ def _load() -> bool:
     features = cpu_features()
     if "avx2" not in features:
         masked = " (masked by MINISERVE_CPU_FEATURES)" if os.environ.get("MINISERVE_CPU_FEATURES") else ""
-        log.warning("no AVX2 on this CPU%s: miniserve's kernels are not built; the engine runs torch's own",
-                    masked)
+        x86 = platform.machine().lower() in ("x86_64", "amd64")  # elsewhere (arm64) this is expected
+        log.log(logging.WARNING if x86 else logging.INFO,
+                "no AVX2 on this CPU%s: miniserve's kernels are not built; the engine runs torch's own", masked)
         return False
     if "avx512" not in features:
         log.info("no AVX-512 on this CPU: of miniserve's kernels only the fp32 gemv, layer ops and attention (AVX2) run")

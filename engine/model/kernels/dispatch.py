@@ -136,11 +136,13 @@ def forced(op: str, allowed: tuple[str, ...]) -> str | None:
 
 def machine_key() -> dict:
     """What a cached table is valid for: another CPU, mask, thread count, torch or kernel source is
-    another machine."""
+    another machine. The mask is kept as written: on a CPU with no features it reads to nothing,
+    masked or not, yet oneDNN's bf16 answers differently with one set."""
     sources = hashlib.sha256(b"".join(p.read_bytes() for p in kernels.SOURCES + kernels.HEADERS)).hexdigest()[:16]
     return {"version": VERSION, "cpu": cpu_model(), "detected": sorted(detected()), "allowed": sorted(cpu_features()),
-            "kernels": kernels.enabled(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "sources": sources, "onednn": onednn_available()}
+            "mask": os.environ.get(ENV, "").strip(), "kernels": kernels.enabled(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "sources": sources,
+            "onednn": onednn_available(torch.float32), "onednn_bf16": onednn_available(torch.bfloat16)}
 
 
 def table_path(key: dict) -> Path:
@@ -285,7 +287,11 @@ def measure(dtype: torch.dtype, table: Table) -> bool:
     """Time every candidate for ``dtype`` on this machine and record the choices in ``table``;
     False when the measurements never agreed (the machine was too busy to trust them)."""
     t0 = time.perf_counter()
-    choices, linear, settled = agreed_choices(lambda: measure_linear(dtype))
+    candidates = linear_candidates(dtype)
+    if len(candidates) == 1:  # nothing to choose between (a torch without oneDNN and no kernels: macOS)
+        choices, linear, settled = candidates * len(ROW_CLASSES), {}, True
+    else:
+        choices, linear, settled = agreed_choices(lambda: measure_linear(dtype))
     attention = measure_attention(dtype)
     name = _name(dtype)
     table.linear[name] = choices
@@ -311,9 +317,16 @@ def table(dtype: torch.dtype) -> Table:
     if t is None:
         t = load_table(path, key) or Table(key)
         _TABLES[cache_id] = t
-    if _name(dtype) not in t.linear:
+    name = _name(dtype)
+    if name in t.linear and not set(t.linear[name]) <= set(linear_candidates(dtype)):
+        # a table from a shared cache, or a kernel build that failed since: measure what runs now
+        log.warning("cached dispatch for %s chose %s, which does not run here now (candidates %s); measuring "
+                    "again", name, sorted(set(t.linear[name])), linear_candidates(dtype))
+        for entry in (t.linear, t.attention, t.timings):
+            entry.pop(name, None)
+    if name not in t.linear:
         fresh = load_table(path, key)  # another process may have measured it meanwhile
-        if fresh is not None and _name(dtype) in fresh.linear:
+        if fresh is not None and name in fresh.linear and set(fresh.linear[name]) <= set(linear_candidates(dtype)):
             t = _TABLES[cache_id] = fresh
         elif measure(dtype, t):
             save_table(path, t)

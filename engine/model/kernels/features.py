@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 ENV = "MINISERVE_CPU_FEATURES"
@@ -31,7 +32,8 @@ FEATURES = tuple(FLAGS)
 
 @functools.cache
 def _cpuinfo_flags() -> frozenset[str] | None:
-    """The first CPU's flags (x86 ``flags``, arm64 ``Features``), or None without /proc/cpuinfo."""
+    """The first CPU's flags (x86 ``flags``, arm64 ``Features``), or None where /proc/cpuinfo has
+    neither (or is absent: macOS), so that torch's own reading of the CPU is asked instead."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -40,7 +42,7 @@ def _cpuinfo_flags() -> frozenset[str] | None:
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
             return frozenset(value.split())
-    return frozenset()
+    return None
 
 
 def _closure(names: set[str]) -> set[str]:
@@ -88,14 +90,31 @@ def has_bf16_arithmetic(features: frozenset[str] | None = None) -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & features)
 
 
+@functools.cache
 def cpu_model() -> str:
-    """The CPU's marketing name (``model name`` in /proc/cpuinfo), else what platform says."""
+    """The CPU's name, what cached tables and histories are keyed by: ``model name`` in
+    /proc/cpuinfo (x86), the implementer and part numbers on Linux on ARM (which names no model:
+    a Graviton2 and a Graviton3 both say aarch64), the brand string on macOS (``Apple M1``), else
+    what platform says."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    if fields.get("model name"):
+        return fields["model name"]
+    if "CPU implementer" in fields:
+        return f"{platform.machine()} implementer {fields['CPU implementer']} part {fields.get('CPU part', '?')}"
+    if platform.system() == "Darwin":
+        try:
+            brand = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                   timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            brand = ""
+        if brand:
+            return brand
     return platform.processor() or platform.machine()
 
 
