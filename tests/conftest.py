@@ -1,8 +1,21 @@
-"""Test-wide setup: nothing a test runs writes into the user's own per-machine caches."""
+"""Test-wide setup: the suite runs on the CPU, and nothing a test runs writes into the user's own
+per-machine caches."""
 
 import os
 
 import pytest
+
+# The suite checks the CPU engine (its lean path, kernels and dispatch, which a GPU run does not
+# use): on a machine with a GPU, ``model.device=auto`` would take it, here and in the apps the
+# tests start. CUDA reads this when it first initialises, so it holds for both; MPS has no such
+# switch, so the fixture below hides it in this process. benchmarks/device_check.py checks a GPU.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+@pytest.fixture(autouse=True)
+def _no_apple_gpu(monkeypatch):
+    from engine.model import device
+    monkeypatch.setattr(device, "_has_mps", lambda: False)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -32,6 +32,10 @@ HAS_AVX512 = ON and "avx512" in FEATURES
 EXPECTED = {torch.float32: ON and "avx2" in FEATURES, torch.bfloat16: HAS_AVX512 and "avx512_bf16" in FEATURES}
 
 
+NEEDS_ONEDNN = pytest.mark.skipif(not dispatch.onednn_available(torch.float32),
+                                  reason="this torch has no oneDNN (macOS arm64 builds)")
+
+
 def needs(op: str, *dtypes: torch.dtype):
     """Skip unless kernel ``op`` runs here for every dtype given: the build tests below hold that
     the engine runs torch's own kernels instead."""
@@ -222,6 +226,7 @@ def test_a_build_lock_left_by_a_killed_build_is_removed(monkeypatch, tmp_path):
 
 
 @needs("gemv", torch.float32)
+@NEEDS_ONEDNN
 def test_the_engine_runs_each_row_count_on_the_candidate_the_table_chose(monkeypatch):
     choices = ["gemv"] * 7 + ["onednn", "torch", "torch"]  # gemv to 64 rows, oneDNN to 128, F.linear above
     monkeypatch.setattr(dispatch, "linear_choices", lambda dtype: choices)
@@ -248,6 +253,7 @@ def test_the_engine_runs_each_row_count_on_the_candidate_the_table_chose(monkeyp
     run((1, 45, 45, 45), (1, 0, 0, 0), (True,) * 4, [("linear", 136)] * per_token_rows + [("gemv", 4)])
 
 
+@NEEDS_ONEDNN
 def test_the_engine_keeps_only_the_copies_its_choices_read(monkeypatch):
     monkeypatch.setattr(dispatch, "linear_choices", lambda dtype: ["onednn"] * len(dispatch.ROW_CLASSES))
     runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=2, max_model_len=64))
