@@ -53,6 +53,14 @@ def test_byte_level_tokenizers_are_recognised_and_sentencepiece_is_not():
     assert not decodes_bytewise(trained_tokenizer("metaspace")) and not decodes_bytewise(None)
 
 
+def test_a_byte_level_tokenizer_that_cleans_up_spaces_is_not_bytewise(monkeypatch):
+    """' .' becoming '.' rewrites text already streamed: such a decode needs the whole output."""
+    tok = trained_tokenizer("bytelevel")
+    plain = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, **kw: plain(ids, **kw).replace(" .", ".").replace(" ,", ","))
+    assert not decodes_bytewise(tok)
+
+
 @pytest.mark.parametrize("bytewise", [True, False])
 def test_streamed_pieces_add_up_to_the_whole_decode_byte_for_byte(bytewise):
     ids = TOK.encode("中文 é ok 🙂")
@@ -153,6 +161,14 @@ def test_stop_token_id_ends_the_output_without_its_text(bytewise):
     ids = TOK.encode("abc")
     out, ts = stream(TOK, ids + ids, bytewise=bytewise, stop_token_ids=frozenset({ids[1]}))
     assert (out, ts.token_ids) == ("a", ids[:2])
+
+
+@pytest.mark.parametrize("bytewise", [True, False])
+def test_a_stop_string_with_a_replacement_character_waits_for_the_character(bytewise):
+    """The first byte of 中 decodes to U+FFFD until the rest arrives: not a match for the stop."""
+    invalid = TOK.convert_tokens_to_ids("ÿ")  # the stand-in for byte 0xff, never valid UTF-8
+    out, ts = stream(TOK, TOK.encode("中x") + [invalid] + TOK.encode("!"), bytewise=bytewise, stop=("\ufffd",))
+    assert out == ts.text == "中x" and ts.stopped  # the invalid byte is one, once the next character settles it
 
 
 def test_pieces_asked_for_only_at_the_end_are_the_whole_text():

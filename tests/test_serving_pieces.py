@@ -15,6 +15,7 @@ from engine.core.sampling import SamplingParams
 from engine.model.sampler import filtered_probs, sample
 from engine.model.tokenizer import byte_tokenizer
 from engine.serving.app import _tokenize
+from engine.serving import protocol
 from engine.serving.protocol import MAX_NESTING, ApiError, parse_chat, parse_completion, parse_json
 
 TOK = byte_tokenizer(512, eos_token_id=1)
@@ -143,8 +144,9 @@ def test_errors_quote_only_a_short_prefix_of_bad_input():
     assert err.value.param == "max_tokens" and len(err.value.message) < 300
 
 
-def test_unknown_fields_are_ignored_but_named_once_in_the_log(caplog):
+def test_unknown_fields_are_ignored_but_named_once_in_the_log(caplog, monkeypatch):
     """vLLM ignores them too; the warning is how a typo such as max_token gets noticed."""
+    monkeypatch.setattr(protocol, "_WARNED_UNKNOWN", set())  # as in a fresh server
     with caplog.at_level("WARNING", logger="miniserve.server"):
         params = parse_completion({"prompt": [1], "max_token": 99, "max_tokens_typo_2": 1})
         parse_completion({"prompt": [1], "max_token": 99})

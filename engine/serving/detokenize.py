@@ -29,10 +29,14 @@ REPLACEMENT = "\ufffd"
 
 
 def decodes_bytewise(tokenizer) -> bool:
-    """True when ``tokenizer.decode`` is UTF-8 over the tokens' bytes laid end to end."""
+    """True when ``tokenizer.decode`` is UTF-8 over the tokens' bytes laid end to end: a ByteLevel
+    decoder, and no clean-up of spaces before punctuation afterwards (transformers 5 skips it for
+    BPE even where a config asks for it, as Llama 3's does; asked, not assumed)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    return (backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
-            and not getattr(tokenizer, "clean_up_tokenization_spaces", True))
+    if backend is None or not isinstance(backend.decoder, decoders.ByteLevel):
+        return False
+    probe = "a . b , c !"
+    return tokenizer.decode(tokenizer.encode(probe, add_special_tokens=False), skip_special_tokens=True) == probe
 
 
 class TextStream:
@@ -81,7 +85,8 @@ class TextStream:
         if self._bytewise and not self._tail:
             self._tail_ids = []  # no bytes yet, so nothing to settle
         window_start = self._settled_len - len(self._recent)
-        window = self._recent + self._tail
+        # a trailing U+FFFD may be half a character still: a stop string must not match it
+        window = self._recent + self._tail.rstrip(REPLACEMENT)
         if self._bytewise and self._tail and not self._tail.endswith(REPLACEMENT):
             self._settle()
         if self.stop:
