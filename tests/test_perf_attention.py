@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from engine.model import kernels
 from engine.model.attention import RaggedBatch
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.model.runner import ModelRunner
@@ -25,6 +26,12 @@ def test_batched_decodes_over_fragmented_slots_match_reference(decode_attention)
     runner = ModelRunner(model_config, SchedulerConfig(max_num_seqs=6))
     if decode_attention == "sdpa":  # one SDPA over the slots' view, with the decodes scattered into it
         runner.decode_attention = None
+    else:  # the kernel, whether or not this machine's dispatch table chose it
+        cfg = runner.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        runner.decode_attention = kernels.decode_attention(torch.float32, head_dim)
+        if runner.decode_attention is None:
+            pytest.skip("no decode attention kernel on this machine (as masked)")
     ref = sdpa_twin(model_config)
     g = torch.Generator().manual_seed(5)
     reqs = {f"r{i}": Request(f"r{i}", torch.randint(0, 512, (4 + 3 * i,), generator=g).tolist(), 8)
