@@ -43,6 +43,15 @@ def test_every_model_scheduler_workload_combination_composes(model, scheduler, w
         assert obj.scheduler.name == scheduler and obj.model.name == model
 
 
+def test_max_model_len_past_the_models_positions_is_cut_for_engine_and_simulator_alike(caplog):
+    """The tiny model has 4,096 positions: the simulator must refuse what the engine would."""
+    for app in ("run", "simulate", "sweep", "validate"):
+        with caplog.at_level("WARNING", logger="miniserve.config"):
+            obj = to_object(composed(app, ["model=tiny", "scheduler.max_model_len=8192"]))
+        assert obj.scheduler.max_model_len == 4096 and "longer than the model's 4096 positions" in caplog.text
+        assert to_object(composed(app, ["model=tiny", "scheduler.max_model_len=1024"])).scheduler.max_model_len == 1024
+
+
 def test_trace_workload_needs_a_path_and_local_model_needs_a_path():
     with pytest.raises((ConfigCompositionException, ValueError), match="path"):
         to_object(composed("simulate", ["workload=trace"]))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 SCHEDULER_NAMES = ("serial", "static", "continuous")
 
@@ -44,6 +44,11 @@ class SchedulerConfig:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
+
+    def within(self, max_len: int | None) -> SchedulerConfig:
+        """This config with ``max_model_len`` cut to ``max_len`` (a model's positions, a runner's KV
+        slots) where it asks for more: a request past them cannot run, so none is accepted."""
+        return self if max_len is None or self.max_model_len <= max_len else replace(self, max_model_len=max_len)
 
 
 MODEL_NAMES = ("tiny", "qwen2_5_0_5b", "qwen2_5_1_5b", "qwen3_0_6b")

@@ -61,6 +61,11 @@ def model_shape(model_config: ModelConfig) -> dict:
     return shape
 
 
+def max_positions(model_config: ModelConfig) -> int | None:
+    """The longest sequence the model has positions for (``max_position_embeddings``), if it says."""
+    return read_config_json(model_config).get("max_position_embeddings")
+
+
 def config_fingerprint(model_config: ModelConfig) -> str:
     """Hash of what determines cost: architecture shapes and dtype (not weights, not seed)."""
     shape = model_shape(model_config)
