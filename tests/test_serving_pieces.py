@@ -157,3 +157,5 @@ def test_unknown_fields_are_ignored_but_named_once_in_the_log(caplog, monkeypatc
     with caplog.at_level("WARNING", logger="miniserve.server"):
         parse_chat({"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "logprobs": False})
     assert not caplog.records  # known fields are not named
+    parse_completion({"prompt": [1], "x" * 1_000_000: 1})  # kept cut short: a client cannot pin memory with names
+    assert max(map(len, protocol._WARNED_UNKNOWN)) <= protocol.QUOTE_CHARS

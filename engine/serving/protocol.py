@@ -173,13 +173,13 @@ def _depth(value: Any) -> int:
 
 
 log = logging.getLogger("miniserve.server")
-_WARNED_UNKNOWN: set[str] = set()  # unknown field names already logged, bounded by MAX_WARNED_UNKNOWN
-MAX_WARNED_UNKNOWN = 256
+_WARNED_UNKNOWN: set[str] = set()  # the first QUOTE_CHARS characters of unknown field names already logged
+MAX_WARNED_UNKNOWN = 256  # names kept: a client inventing names cannot grow the set (nor, cut, with long ones)
 
 
 def _warn_unknown(model: type[BaseModel], body: dict) -> None:
-    new = [k for k in body if k not in model.model_fields and k not in UNSUPPORTED and k not in _WARNED_UNKNOWN]
-    new = new[:MAX_WARNED_UNKNOWN - len(_WARNED_UNKNOWN)]
+    new = [k[:QUOTE_CHARS] for k in body if k not in model.model_fields and k not in UNSUPPORTED]
+    new = [k for k in dict.fromkeys(new) if k not in _WARNED_UNKNOWN][:MAX_WARNED_UNKNOWN - len(_WARNED_UNKNOWN)]
     if new:
         _WARNED_UNKNOWN.update(new)
         log.warning("ignored request fields this server does not know (logged once each): %s",
