@@ -10,8 +10,9 @@ A byte-level decoder (GPT-2's ``ByteLevel``, which every Qwen checkpoint uses, a
 byte tokenizer) lays the tokens' bytes end to end and decodes them as UTF-8. UTF-8 resynchronises
 after every complete character, so once the text decoded so far ends in a real character (not
 U+FFFD, which a later byte may still complete), nothing after it can change it: that text is
-settled, and only the tokens after it are decoded again. Each token then costs the decode of a
-few tokens. Any other decoder (SentencePiece's leading-space rule, WordPiece's clean-up) may
+settled, and only the tokens after it are decoded again. Bytes that never make a character (a
+random-weight model samples them) settle too, once later tokens show they decode apart the same.
+Each token then costs the decode of a few tokens. Any other decoder (SentencePiece's leading-space rule, WordPiece's clean-up) may
 rewrite earlier text in the light of later tokens, so it keeps the whole decode per token.
 
 Text that ends in U+FFFD may still become a character, and text that could be the start of a
@@ -26,6 +27,7 @@ from collections.abc import Callable, Sequence
 from tokenizers import decoders
 
 REPLACEMENT = "\ufffd"
+INCOMPLETE_TOKENS = 3  # an incomplete UTF-8 character has at most 3 bytes, so spans at most 3 tokens
 
 
 def decodes_bytewise(tokenizer) -> bool:
@@ -87,8 +89,11 @@ class TextStream:
         window_start = self._settled_len - len(self._recent)
         # a trailing U+FFFD may be half a character still: a stop string must not match it
         window = self._recent + self._tail.rstrip(REPLACEMENT)
-        if self._bytewise and self._tail and not self._tail.endswith(REPLACEMENT):
-            self._settle()
+        if self._bytewise and self._tail:
+            if not self._tail.endswith(REPLACEMENT):
+                self._settle(len(self._tail_ids), self._tail)
+            elif len(self._tail_ids) > INCOMPLETE_TOKENS:
+                self._settle_before_the_last_tokens()
         if self.stop:
             hits = [i for i in (window.find(s) for s in self.stop) if i >= 0]
             if hits:
@@ -97,15 +102,27 @@ class TextStream:
                 self.stopped = True
         return self.stopped
 
-    def _settle(self) -> None:
+    def _settle_before_the_last_tokens(self) -> None:
+        """The tail ends in U+FFFD: a character still incomplete, or bytes that never make one (a
+        random-weight model samples them), which would keep the tail growing. An incomplete
+        character's bytes sit in the last INCOMPLETE_TOKENS tokens (each carries a byte), so the
+        tokens before them settle if they decode apart exactly as together: a split inside a
+        character never does (its pieces decode to more U+FFFD than the whole)."""
+        head_ids = self._tail_ids[:-INCOMPLETE_TOKENS]
+        head = self._decode(head_ids)
+        if head + self._decode(self._tail_ids[-INCOMPLETE_TOKENS:]) == self._tail:
+            self._settle(len(head_ids), head)
+
+    def _settle(self, num_ids: int, text: str) -> None:
+        """The tail's first ``num_ids`` tokens, whose text is ``text``, can no longer change."""
         already_sent = max(0, self._sent - self._settled_len)
-        if already_sent < len(self._tail):
-            self._unsent.append(self._tail[already_sent:])
-        self._settled.append(self._tail)
-        self._settled_len += len(self._tail)
-        recent = self._recent + self._tail
+        if already_sent < len(text):
+            self._unsent.append(text[already_sent:])
+        self._settled.append(text)
+        self._settled_len += len(text)
+        recent = self._recent + text
         self._recent = recent[-self._holdback:] if self._holdback else ""
-        self._tail_ids, self._tail = [], ""
+        self._tail_ids, self._tail = self._tail_ids[num_ids:], self._tail[len(text):]
 
     def pending(self, final: bool) -> str:
         """Text not yet handed out that can no longer change (all of it when ``final``)."""
@@ -116,7 +133,7 @@ class TextStream:
         end = self._settled_len + len(self._tail)
         if not final and not self.stopped:
             # a trailing U+FFFD may still become a character, and that character may end a stop
-            # string; settled text never ends in U+FFFD
+            # string (a U+FFFD in settled text is final)
             end = self._settled_len + len(self._tail.rstrip(REPLACEMENT)) - self._holdback
         if end <= self._sent:
             return ""
