@@ -79,10 +79,10 @@ def main() -> None:
         runner = ModelRunner(ModelConfig(name=args.model, dtype=d, num_threads=args.threads),
                              SchedulerConfig(max_num_seqs=32, max_model_len=1024))
         shape = ModelShape.of(runner.model)
-        probe = BandwidthProbe(dtype)
+        probe = BandwidthProbe(dtype, device=runner.device)  # the memory and matmuls the calls use
 
         def machine_now() -> Machine:
-            return Machine(probe.measure(3), measure_matmul(dtype, 3))
+            return Machine(probe.measure(3), measure_matmul(dtype, 3, runner.device))
 
         issue = ISSUE_MACHINE.get(d)
         print(f"\n{d}: {'shape':12s} {'meas ms':>8s} {'probe GB/s':>11s} {'GFLOP/s':>8s} {'roof ms':>8s} {'bound':>7s} "

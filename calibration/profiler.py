@@ -306,7 +306,8 @@ def measure_engine_runs(runner: ModelRunner, max_num_seqs: int,
     lengths, so it makes the same plans: a shape's calls from all runs are one measurement, its
     repeats, and the fit takes their typical time (one run in a slow spell had made single calls
     20% off, the worst held-out error of a calibration)."""
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, long_prefill_token_threshold=32)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, long_prefill_token_threshold=32,
+                             max_model_len=runner.max_model_len)
     engine = Engine(config, runner.model_config, runner=runner)
     workload = WorkloadConfig(num_requests=2 * max_num_seqs, prompt=LengthDist("uniform", low=4, high=40),
                               output=LengthDist("uniform", low=2, high=10), seed=7)

@@ -8,10 +8,17 @@ FLOPs = 2·dense params·tokens + 2·lm_head params·sampled rows + attention (Q
 from __future__ import annotations
 
 import mmap
-import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Union
 
 from engine.core.plan import BatchPlan
+
+if TYPE_CHECKING:  # torch is imported where a probe runs: the simulator reads this module without it
+    import torch
+
+Device = Union[str, "torch.device"]
+GPU_CALLS = 20  # a GPU probe's calls per timing
 
 
 @dataclass(frozen=True)
@@ -68,31 +75,25 @@ def roofline_s(plan: BatchPlan, shape: ModelShape, machine: Machine) -> float:
     return max(bytes_moved / machine.bandwidth_bytes_s, flops / machine.matmul_flops_s)
 
 
-def best_s(fn, repeats: int = 5, device="cpu") -> float:
+def best_s(fn: Callable[[], object], repeats: int = 5, device: Device = "cpu") -> float:
     """Fastest of ``repeats`` timed calls after one untimed: a machine's limit, not its noise. On a
-    GPU each call is waited for (a launch returns before the work is done)."""
-    sync = _synchronizer(device)
+    GPU a probe's call takes microseconds, less than a launch and a wait, so each timing covers a
+    run of GPU_CALLS calls, waited for once (engine.model.device.DeviceTimer)."""
+    from engine.model.device import DeviceTimer
+
+    timer = DeviceTimer(device)
+    calls = 1 if str(device) == "cpu" else GPU_CALLS
     fn()
     times = []
     for _ in range(repeats):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
+        timer.start()
+        for _ in range(calls):
+            fn()
+        times.append(timer.stop() / calls)
     return min(times)
 
 
-def _synchronizer(device):
-    if str(device) == "cpu":
-        return lambda: None
-    import torch
-
-    from engine.model.device import synchronize
-    return lambda: synchronize(torch.device(device))
-
-
-def _onednn_runs(dtype, device) -> bool:
+def _onednn_runs(dtype: torch.dtype, device: Device) -> bool:
     """oneDNN's pre-packed linear exists for CPU tensors of ``dtype`` here (its bf16 path refuses
     CPUs without AVX-512 or AVX-NE-CONVERT)."""
     if str(device) != "cpu":
@@ -101,7 +102,7 @@ def _onednn_runs(dtype, device) -> bool:
     return onednn_available(dtype)
 
 
-def memory_read_gb_s(mem_bytes: int = 256 << 20, repeats: int = 3, device="cpu") -> float:
+def memory_read_gb_s(mem_bytes: int = 256 << 20, repeats: int = 3, device: Device = "cpu") -> float:
     """Read bandwidth now, of the memory the model's weights sit in (the host's, or the GPU's): a
     quick stamp (~0.1 s) for a real run or a calibration. Decode calls run at memory speed, and on
     a shared host the bandwidth moves with other tenants (docs/architecture.md has this VM's range),
@@ -115,7 +116,7 @@ def memory_read_gb_s(mem_bytes: int = 256 << 20, repeats: int = 3, device="cpu")
 class MemoryStamp:
     """``with MemoryStamp(device) as stamp: work`` — memory_read_gb_s just before and just after."""
 
-    def __init__(self, device="cpu") -> None:
+    def __init__(self, device: Device = "cpu") -> None:
         self.device = device
 
     def __enter__(self) -> MemoryStamp:
@@ -144,7 +145,7 @@ class BandwidthProbe:
     slows a probe down, and a limit must not be understated.
     """
 
-    def __init__(self, dtype, mem_bytes: int = 512 << 20, k: int = 896, device="cpu") -> None:
+    def __init__(self, dtype: torch.dtype, mem_bytes: int = 512 << 20, k: int = 896, device: Device = "cpu") -> None:
         import torch
 
         self.device = device
@@ -184,7 +185,7 @@ class BandwidthProbe:
             self._buf.close()
 
 
-def measure_matmul(dtype, repeats: int = 5, device="cpu") -> float:
+def measure_matmul(dtype: torch.dtype, repeats: int = 5, device: Device = "cpu") -> float:
     """Matmul throughput (FLOP/s) on model-like shapes: torch matmul or oneDNN's pre-packed linear,
     whichever is faster, best of ``repeats``."""
     import torch
@@ -201,7 +202,8 @@ def measure_matmul(dtype, repeats: int = 5, device="cpu") -> float:
         return max(2 * m * k * n / linear_s(m, k, n) for m, k, n in ((256, 896, 4864), (512, 4864, 896), (1024, 1024, 1024)))
 
 
-def measure_machine(dtype, repeats: int = 5, mem_bytes: int = 512 << 20, device="cpu") -> Machine:
+def measure_machine(dtype: torch.dtype, repeats: int = 5, mem_bytes: int = 512 << 20, device: Device = "cpu"
+                    ) -> Machine:
     """This machine's limit for ``dtype`` on ``device`` now: read bandwidth and matmul throughput."""
     probe = BandwidthProbe(dtype, mem_bytes, device=device)
     try:

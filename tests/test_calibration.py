@@ -18,7 +18,7 @@ from calibration.cost_model import FEATURES, SAMPLE_KNOTS, TOKEN_KNOTS, CostMode
 from calibration.fit import Errors, fit_nnls, split_heldout
 from calibration.grid import GRID_SPECS, Shape, build_grid
 from calibration.profiler import Measurement, step_overheads
-from calibration.roofline import Machine, ModelShape, best_s, call_work, measure_machine, roofline_s
+from calibration.roofline import GPU_CALLS, Machine, ModelShape, best_s, call_work, measure_machine, roofline_s
 from engine.core.config import ModelConfig
 from engine.llm_engine import StepRecord
 from engine.model import kernels
@@ -277,17 +277,27 @@ def test_a_grid_without_calls_near_a_knot_fits_the_curve_there_from_its_neighbou
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_machine_probes_run_in_each_dtype_on_any_cpu(dtype):
-    """oneDNN's bf16 packing refuses a CPU without AVX-512 (an error, not a slow path): a bf16
-    calibration there must probe without it."""
+@pytest.mark.parametrize("onednn_runs_it", [True, False])
+def test_the_machine_probes_ask_onednn_only_where_it_runs_the_dtype(dtype, onednn_runs_it, monkeypatch):
+    """oneDNN's bf16 packing refuses a CPU without AVX-512 with an error (not a slow path): a bf16
+    calibration there must probe without it. Played on any CPU by saying oneDNN cannot."""
+    from engine.model.kernels import dispatch
+    if onednn_runs_it and not dispatch.onednn_available(dtype):
+        pytest.skip(f"oneDNN does not run {dtype} on this CPU (as masked)")
+    if not onednn_runs_it:
+        monkeypatch.setattr(dispatch, "onednn_available", lambda dtype: False)
+        monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight",
+                            lambda *args: pytest.fail("packed for oneDNN where it does not run"))
     machine = measure_machine(dtype, repeats=1, mem_bytes=16 << 20)
     assert machine.bandwidth_bytes_s > 0 and machine.matmul_flops_s > 0
 
 
-def test_probes_on_a_gpu_wait_for_each_call(monkeypatch):
-    """A launch returns before the work is done: timing it alone would read the launch."""
+def test_probes_on_a_gpu_time_a_run_of_calls_waited_for_once(monkeypatch):
+    """A launch returns before the work is done, and a probe's call takes less than a launch and
+    a wait: each timing is a run of calls between two synchronisations."""
     from engine.model import device as dev
     events = []
     monkeypatch.setattr(dev, "synchronize", lambda device: events.append(("sync", device.type)))
-    best_s(lambda: events.append("call"), repeats=2, device="cuda")
-    assert events == ["call", ("sync", "cuda"), "call", ("sync", "cuda"), ("sync", "cuda"), "call", ("sync", "cuda")]
+    best_s(lambda: events.append("call"), repeats=2, device="mps")
+    timed = [("sync", "mps")] + ["call"] * GPU_CALLS + [("sync", "mps")]
+    assert events == ["call"] + timed + timed  # one untimed call first
