@@ -8,7 +8,8 @@ import pytest
 # The suite checks the CPU engine (its lean path, kernels and dispatch, which a GPU run does not
 # use): on a machine with a GPU, ``model.device=auto`` would take it, here and in the apps the
 # tests start. CUDA reads this when it first initialises, so it holds for both; MPS has no such
-# switch, so the fixture below hides it in this process. benchmarks/device_check.py checks a GPU.
+# switch, so the fixture below hides it in this process and the tests that start an app running
+# the model name model.device=cpu. benchmarks/device_check.py checks a GPU.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 

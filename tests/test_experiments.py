@@ -85,14 +85,15 @@ def run_app(module: str, *overrides: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def tiny_profile(tmp_path_factory):
     out = tmp_path_factory.mktemp("cal")
-    run_app("experiments.calibrate", "model=tiny", "model.num_threads=1", "calibration.grid=quick",
+    run_app("experiments.calibrate", "model=tiny", "model.device=cpu", "model.num_threads=1", "calibration.grid=quick",
             "calibration.progress=false", f"hydra.run.dir={out}")
     return out / "profile.json"
 
 
 def test_tiny_sweep_real_and_simulated_then_report(tmp_path, tiny_profile):
-    common = ["model=tiny", "model.num_threads=1", "scheduler=static,continuous", "scheduler.max_num_seqs=4",
-              "workload.num_requests=10", "load=0.5,1.2", f"calibration.profile={tiny_profile}"]
+    common = ["model=tiny", "model.device=cpu", "model.num_threads=1", "scheduler=static,continuous",
+              "scheduler.max_num_seqs=4", "workload.num_requests=10", "load=0.5,1.2",
+              f"calibration.profile={tiny_profile}"]
     run_app("experiments.sweep", "-m", "backend=sim", *common, f"hydra.sweep.dir={tmp_path / 'sim'}")
     run_app("experiments.sweep", "-m", "backend=real", *common, f"hydra.sweep.dir={tmp_path / 'real'}")
     jobs = sorted(p.parent for p in tmp_path.glob("*/*/job.json"))
@@ -111,8 +112,9 @@ def test_tiny_sweep_real_and_simulated_then_report(tmp_path, tiny_profile):
 
 
 def test_tiny_validation_writes_the_error_table(tmp_path, tiny_profile):
-    out = run_app("experiments.validate", "model=tiny", "model.num_threads=1", f"calibration.profile={tiny_profile}",
-                  "matrix.schedulers=[static,continuous]", "matrix.max_num_seqs=[4]", "matrix.arrivals=[poisson]",
+    out = run_app("experiments.validate", "model=tiny", "model.device=cpu", "model.num_threads=1",
+                  f"calibration.profile={tiny_profile}", "matrix.schedulers=[static,continuous]",
+                  "matrix.max_num_seqs=[4]", "matrix.arrivals=[poisson]",
                   "matrix.load_levels=[0.5]", "matrix.repeats=2", "bands.replicates=5",
                   "contention.others_cores=-1",  # every run counts as contended: flagged and re-run once
                   f"hydra.run.dir={tmp_path}")

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from engine.model import kernels
 from engine.model.kernels import dispatch
-from engine.model.kernels.features import cpu_features, detected, has_bf16_arithmetic, parse_mask
+from engine.model.kernels.features import cpu_features, cpu_name, detected, has_bf16_arithmetic, parse_mask
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.model.runner import ModelRunner
 from engine.core.plan import BatchPlan
@@ -43,6 +43,25 @@ def needs(op: str, *dtypes: torch.dtype):
     return pytest.mark.skipif(not ok, reason=f"{op} ({', '.join(map(str, dtypes))}) needs "
                               f"{sorted(set().union(*(kernels.NEEDS[op][d] for d in dtypes)))}; "
                               f"this CPU (as masked) has {sorted(FEATURES)}, kernels {'on' if ON else 'off'}")
+
+
+def test_a_cpu_is_named_where_cpuinfo_names_it_and_arm_cores_by_implementer_and_part():
+    """Cached dispatch tables and bandwidth histories are keyed by it: two ARM cores must differ."""
+    assert cpu_name("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t: fpu avx2\n", "Linux", "x86_64") == \
+        "AMD EPYC 9R14"
+    graviton2, graviton3 = ("processor\t: 0\nFeatures\t: fp asimd\nCPU implementer\t: 0x41\nCPU part\t: " + part
+                            for part in ("0xd0c\n", "0xd40\n"))
+    assert cpu_name(graviton2, "Linux", "aarch64") == "arm implementer 0x41 part 0xd0c"
+    assert cpu_name(graviton2, "Linux", "aarch64") != cpu_name(graviton3, "Linux", "aarch64")
+    assert cpu_name("", "Linux", "riscv64") == "riscv64"  # nothing to go by: what platform says
+
+
+def test_without_cpuinfo_flags_torch_reads_the_cpu(monkeypatch):
+    """macOS has no /proc/cpuinfo, and a cpuinfo may name no flags: torch's own reading decides."""
+    from engine.model.kernels import features
+    monkeypatch.setattr(features, "_cpuinfo_flags", lambda: None)
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert detected() == {"AVX512": {"avx512", "avx2"}, "AVX2": {"avx2"}}.get(capability, set())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

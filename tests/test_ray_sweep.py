@@ -76,8 +76,9 @@ def test_a_simulated_sweep_runs_on_ray(ray_head, tmp_path):
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.sweep", "-m", "hydra/launcher=ray_cluster",
-         f"hydra.launcher.ray.init.address={ray_head}", "model=tiny", f"calibration.profile={profile}",
-         "scheduler=continuous", "scheduler.max_num_seqs=4,8", "load=0.5,1.2", "workload.num_requests=20",
+         f"hydra.launcher.ray.init.address={ray_head}", "model=tiny", "model.device=cpu",
+         f"calibration.profile={profile}", "scheduler=continuous", "scheduler.max_num_seqs=4,8", "load=0.5,1.2",
+         "workload.num_requests=20",
          f"hydra.sweep.dir={sweep}"],
         capture_output=True, text=True, timeout=300, check=False, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -13,8 +13,8 @@ from tests.test_results import check_vllm_keys
 
 @pytest.mark.parametrize("mode", ["inprocess", "server"])
 def test_real_run_writes_metrics_requests_and_trace(tmp_path, mode):
-    subprocess.run([sys.executable, "-m", "experiments.run", "model=tiny", "model.num_threads=1", f"mode={mode}",
-                    "scheduler=static", "scheduler.max_num_seqs=4", "workload.num_requests=8",
+    subprocess.run([sys.executable, "-m", "experiments.run", "model=tiny", "model.device=cpu", "model.num_threads=1",
+                    f"mode={mode}", "scheduler=static", "scheduler.max_num_seqs=4", "workload.num_requests=8",
                     f"hydra.run.dir={tmp_path}"], check=True, capture_output=True, timeout=300)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     records = read_requests_csv(tmp_path / "requests.csv")

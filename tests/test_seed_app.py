@@ -11,8 +11,8 @@ SEED_KEYS = {"output_tokens", "model_calls", "prefill_calls", "decode_calls", "o
 
 
 def run_seed(*overrides, check=True):
-    return subprocess.run([sys.executable, "-m", "experiments.seed", *overrides], capture_output=True, text=True,
-                          check=check, timeout=300)
+    return subprocess.run([sys.executable, "-m", "experiments.seed", "model.device=cpu", *overrides],
+                          capture_output=True, text=True, check=check, timeout=300)
 
 
 def test_seed_app_on_tiny_model_writes_the_table_and_traces(tmp_path):

@@ -22,9 +22,11 @@ SHAPE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_laye
 # (Qwen2 has no head_dim attribute unless one is given; Qwen3 defaults it to 128).
 _DEFAULTS: dict[str, dict[str, object]] = {
     "qwen2": {"hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32, "num_attention_heads": 32,
-              "num_key_value_heads": 32, "head_dim": None, "vocab_size": 151936, "tie_word_embeddings": False},
+              "num_key_value_heads": 32, "head_dim": None, "vocab_size": 151936, "tie_word_embeddings": False,
+              "max_position_embeddings": 32768},
     "qwen3": {"hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32, "num_attention_heads": 32,
-              "num_key_value_heads": 32, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False},
+              "num_key_value_heads": 32, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
+              "max_position_embeddings": 32768},
 }
 
 
@@ -61,9 +63,11 @@ def model_shape(model_config: ModelConfig) -> dict:
     return shape
 
 
-def max_positions(model_config: ModelConfig) -> int | None:
-    """The longest sequence the model has positions for (``max_position_embeddings``), if it says."""
-    return read_config_json(model_config).get("max_position_embeddings")
+def max_positions(model_config: ModelConfig) -> int:
+    """The longest sequence the model has positions for (``max_position_embeddings``; transformers'
+    default where the JSON leaves it out, as the runner gets it)."""
+    config = read_config_json(model_config)
+    return config.get("max_position_embeddings", _DEFAULTS[config["model_type"]]["max_position_embeddings"])
 
 
 def config_fingerprint(model_config: ModelConfig) -> str:

@@ -7,7 +7,8 @@ neither; the engine's choices (which kernels load, ``model.dtype=auto``) and the
 ``*_supported`` checks (told by ``engine.model.kernels``) then follow the masked set. A mask only
 takes away: a feature this CPU lacks stays absent whatever the mask says.
 
-Torch-free except for the fallback where /proc/cpuinfo is missing (macOS), which asks torch.
+Torch-free except for the fallback where /proc/cpuinfo is missing (macOS) or names no flags, which
+asks torch.
 """
 
 from __future__ import annotations
@@ -92,22 +93,27 @@ def has_bf16_arithmetic(features: frozenset[str] | None = None) -> bool:
 
 @functools.cache
 def cpu_model() -> str:
-    """The CPU's name, what cached tables and histories are keyed by: ``model name`` in
-    /proc/cpuinfo (x86), the implementer and part numbers on Linux on ARM (which names no model:
-    a Graviton2 and a Graviton3 both say aarch64), the brand string on macOS (``Apple M1``), else
-    what platform says."""
-    fields: dict[str, str] = {}
+    """This CPU's name (cpu_name), what cached tables and histories are keyed by."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
+        cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
+        cpuinfo = ""
+    return cpu_name(cpuinfo, platform.system(), platform.processor() or platform.machine())
+
+
+def cpu_name(cpuinfo: str, system: str, fallback: str) -> str:
+    """``model name`` in /proc/cpuinfo (x86), the implementer and part numbers on Linux on ARM
+    (which names no model: a Graviton2 and a Graviton3 both said aarch64), the brand string on
+    macOS (``Apple M1``), else ``fallback`` (what platform says)."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
     if fields.get("model name"):
         return fields["model name"]
     if "CPU implementer" in fields:
-        return f"{platform.machine()} implementer {fields['CPU implementer']} part {fields.get('CPU part', '?')}"
-    if platform.system() == "Darwin":
+        return f"arm implementer {fields['CPU implementer']} part {fields.get('CPU part', '?')}"
+    if system == "Darwin":
         try:
             brand = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
                                    timeout=5).stdout.strip()
@@ -115,7 +121,7 @@ def cpu_model() -> str:
             brand = ""
         if brand:
             return brand
-    return platform.processor() or platform.machine()
+    return fallback
 
 
 @functools.cache
