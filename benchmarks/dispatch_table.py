@@ -42,10 +42,13 @@ def main() -> None:
         table = dispatch.table(dtype)
         lin = table.timings[d]["linear"]
         cands = dispatch.linear_candidates(dtype)
-        print(f"\n{d}: {'rows':>5s} " + " ".join(f"{c + ' ms':>10s}" for c in cands) + "   chosen")
-        for rows, choice in zip(dispatch.ROW_CLASSES, table.linear[d]):
-            t = lin[str(rows)]
-            print(f"{d}: {rows:5d} " + " ".join(f"{1e3 * t[c]:10.3f}" for c in cands) + f"   {choice}")
+        if not lin:  # one candidate runs here: taken without timing
+            print(f"\n{d}: linears: only {', '.join(cands)} runs on this machine (not timed)")
+        else:
+            print(f"\n{d}: {'rows':>5s} " + " ".join(f"{c + ' ms':>10s}" for c in cands) + "   chosen")
+            for rows, choice in zip(dispatch.ROW_CLASSES, table.linear[d]):
+                t = lin[str(rows)]
+                print(f"{d}: {rows:5d} " + " ".join(f"{1e3 * t[c]:10.3f}" for c in cands) + f"   {choice}")
         att = table.timings[d]["attention"]
         print(f"{d}: decode attention (8 x 256 keys): " + ", ".join(f"{c} {1e3 * t:.3f} ms" for c, t in att.items())
               + f" -> {table.attention[d]}")

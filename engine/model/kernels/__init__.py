@@ -235,7 +235,7 @@ def gemv(dtype: torch.dtype):
         return None
     if not can_run("gemv", dtype):
         log.warning("this CPU has no %s kernel for miniserve's gemv (bf16 needs AVX512-BF16); decode "
-                    "linears run on oneDNN", dtype)
+                    "linears run on oneDNN where it runs %s, else F.linear", dtype, dtype)
         return None
     _agree("gemv", torch.ops.miniserve.gemv_supported(dtype))
     op = torch.ops.miniserve.gemv.default
