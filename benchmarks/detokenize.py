@@ -22,14 +22,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.model.tokenizer import byte_tokenizer  # noqa: E402
-from engine.serving.detokenize import TextStream, decodes_bytewise  # noqa: E402
+from engine.serving.detokenize import TextStream, decodes_bytewise, text_decoder  # noqa: E402
 
 TEXT = "Continuous batching admits requests every step; 连续批处理在每一步接纳请求 🙂. "
 
 
 def stream_cpu_s(tokenizer, ids: list[int], bytewise: bool) -> tuple[float, str]:
-    ts = TextStream(lambda t: tokenizer.decode(t, skip_special_tokens=True), stop=("never matches",),
-                    bytewise=bytewise)
+    ts = TextStream(text_decoder(tokenizer), stop=("never matches",), bytewise=bytewise)
     out = []
     start = time.process_time()
     for token in ids:

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from engine.model.tokenizer import byte_tokenizer
-from engine.serving.detokenize import TextStream, decodes_bytewise
+from engine.serving.detokenize import TextStream, decodes_bytewise, text_decoder
 
 TOK = byte_tokenizer(512, eos_token_id=1)  # ids 259-511 have no text
 CORPUS = ["中文 naïve café 🙂 ok, bye.", "hello world, hello 中文 world",
@@ -31,14 +31,10 @@ def trained_tokenizer(decoder: str) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
 
 
-def decoder_of(tokenizer):
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-
-
 def stream(tokenizer, ids: list[int], bytewise: bool | None = None, **stops) -> tuple[str, TextStream]:
     """What a streaming client receives: the pieces after every token, then the final one."""
     bytewise = decodes_bytewise(tokenizer) if bytewise is None else bytewise
-    ts = TextStream(decoder_of(tokenizer), bytewise=bytewise, **stops)
+    ts = TextStream(text_decoder(tokenizer), bytewise=bytewise, **stops)
     out = ""
     for token in ids:
         stopped = ts.add(token)
@@ -64,7 +60,7 @@ def test_a_byte_level_tokenizer_that_cleans_up_spaces_is_not_bytewise(monkeypatc
 @pytest.mark.parametrize("bytewise", [True, False])
 def test_streamed_pieces_add_up_to_the_whole_decode_byte_for_byte(bytewise):
     ids = TOK.encode("中文 é ok 🙂")
-    ts = TextStream(decoder_of(TOK), bytewise=bytewise)
+    ts = TextStream(text_decoder(TOK), bytewise=bytewise)
     pieces = []
     for token in ids:
         ts.add(token)
@@ -180,7 +176,7 @@ def test_a_stop_string_with_a_replacement_character_waits_for_the_character(byte
 def test_pieces_asked_for_only_at_the_end_are_the_whole_text():
     """A non-streamed response asks once, at the end."""
     ids = TOK.encode("no streaming 中文, stop here and not after")
-    ts = TextStream(decoder_of(TOK), stop=("stop",), bytewise=True)
+    ts = TextStream(text_decoder(TOK), stop=("stop",), bytewise=True)
     for token in ids:
         if ts.add(token):
             break

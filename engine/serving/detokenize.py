@@ -22,6 +22,7 @@ sends everything left.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 
 from tokenizers import decoders
@@ -30,15 +31,27 @@ REPLACEMENT = "\ufffd"
 INCOMPLETE_TOKENS = 3  # an incomplete UTF-8 character has at most 3 bytes, so spans at most 3 tokens
 
 
+_BYTEWISE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> decodes_bytewise, asked once
+
+
+def text_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """The response text of output ids: special tokens left out (no tokenizer: no text)."""
+    if tokenizer is None:
+        return lambda ids: ""
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def decodes_bytewise(tokenizer) -> bool:
     """True when ``tokenizer.decode`` is UTF-8 over the tokens' bytes laid end to end: a ByteLevel
     decoder, and no clean-up of spaces before punctuation afterwards (transformers 5 skips it for
-    BPE even where a config asks for it, as Llama 3's does; asked, not assumed)."""
+    BPE even where a config asks for it, as Llama 3's does; asked, not assumed, once per tokenizer)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not isinstance(backend.decoder, decoders.ByteLevel):
         return False
-    probe = "a . b , c !"
-    return tokenizer.decode(tokenizer.encode(probe, add_special_tokens=False), skip_special_tokens=True) == probe
+    if tokenizer not in _BYTEWISE:
+        probe = "a . b , c !"
+        _BYTEWISE[tokenizer] = text_decoder(tokenizer)(tokenizer.encode(probe, add_special_tokens=False)) == probe
+    return _BYTEWISE[tokenizer]
 
 
 class TextStream:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Literal
 
 from engine.core.request import Request as EngineRequest
-from engine.serving.detokenize import TextStream, decodes_bytewise
+from engine.serving.detokenize import TextStream, decodes_bytewise, text_decoder
 from engine.serving.engine_thread import RequestSink, TokenEvent
 from engine.serving.protocol import ApiError, CompletionParams
 
@@ -35,9 +35,9 @@ class Generation:
         self.logprobs: list = []
         self.first_scheduled_s: float | None = None
         self._tokenizer = tokenizer
-        decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else (lambda ids: "")
         self._token_text = lambda i: tokenizer.decode([i]) if tokenizer else ""
-        self.text = TextStream(decode, params.stop, params.stop_token_ids, bytewise=decodes_bytewise(tokenizer))
+        self.text = TextStream(text_decoder(tokenizer), params.stop, params.stop_token_ids,
+                               bytewise=decodes_bytewise(tokenizer))
         self.echo = prompt_text if params.echo else ""
 
     @property
