@@ -317,16 +317,16 @@ def table(dtype: torch.dtype) -> Table:
     if t is None:
         t = load_table(path, key) or Table(key)
         _TABLES[cache_id] = t
-    name = _name(dtype)
-    if name in t.linear and not set(t.linear[name]) <= set(linear_candidates(dtype)):
+    name, runnable = _name(dtype), set(linear_candidates(dtype))
+    if name in t.linear and not set(t.linear[name]) <= runnable:
         # a table from a shared cache, or a kernel build that failed since: measure what runs now
         log.warning("cached dispatch for %s chose %s, which does not run here now (candidates %s); measuring "
-                    "again", name, sorted(set(t.linear[name])), linear_candidates(dtype))
+                    "again", name, sorted(set(t.linear[name])), sorted(runnable))
         for entry in (t.linear, t.attention, t.timings):
             entry.pop(name, None)
     if name not in t.linear:
         fresh = load_table(path, key)  # another process may have measured it meanwhile
-        if fresh is not None and name in fresh.linear and set(fresh.linear[name]) <= set(linear_candidates(dtype)):
+        if fresh is not None and name in fresh.linear and set(fresh.linear[name]) <= runnable:
             t = _TABLES[cache_id] = fresh
         elif measure(dtype, t):
             save_table(path, t)
