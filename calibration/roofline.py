@@ -82,7 +82,7 @@ def best_s(fn: Callable[[], object], repeats: int = 5, device: Device = "cpu") -
     from engine.model.device import DeviceTimer
 
     timer = DeviceTimer(device)
-    calls = 1 if str(device) == "cpu" else GPU_CALLS
+    calls = 1 if _on_cpu(device) else GPU_CALLS
     fn()
     times = []
     for _ in range(repeats):
@@ -93,10 +93,14 @@ def best_s(fn: Callable[[], object], repeats: int = 5, device: Device = "cpu") -
     return min(times)
 
 
+def _on_cpu(device: Device) -> bool:
+    return str(device) == "cpu"
+
+
 def _onednn_runs(dtype: torch.dtype, device: Device) -> bool:
     """oneDNN's pre-packed linear exists for CPU tensors of ``dtype`` here (its bf16 path refuses
     CPUs without AVX-512 or AVX-NE-CONVERT)."""
-    if str(device) != "cpu":
+    if not _on_cpu(device):
         return False
     from engine.model.kernels.dispatch import onednn_available
     return onednn_available(dtype)
@@ -153,7 +157,7 @@ class BandwidthProbe:
         rows = mem_bytes // esize // k
         self._buf = None
         with torch.inference_mode():
-            if str(device) == "cpu":
+            if _on_cpu(device):
                 # The read buffer sits in transparent huge pages: with 4 KiB pages the same sum varied
                 # twofold from run to run (page placement; docs/architecture.md).
                 self._buf = mmap.mmap(-1, rows * k * esize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (shared gets no THP)
