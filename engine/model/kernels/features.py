@@ -32,12 +32,20 @@ FEATURES = tuple(FLAGS)
 
 
 @functools.cache
+def _cpuinfo() -> str | None:
+    """/proc/cpuinfo, read once (None where there is none: macOS)."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+
+
+@functools.cache
 def _cpuinfo_flags() -> frozenset[str] | None:
     """The first CPU's flags (x86 ``flags``, arm64 ``Features``), or None where /proc/cpuinfo has
     neither (or is absent: macOS), so that torch's own reading of the CPU is asked instead."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    text = _cpuinfo()
+    if text is None:
         return None
     for line in text.splitlines():
         key, _, value = line.partition(":")
@@ -94,11 +102,7 @@ def has_bf16_arithmetic(features: frozenset[str] | None = None) -> bool:
 @functools.cache
 def cpu_model() -> str:
     """This CPU's name (cpu_name), what cached tables and histories are keyed by."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        cpuinfo = ""
-    return cpu_name(cpuinfo, platform.system(), platform.processor() or platform.machine())
+    return cpu_name(_cpuinfo() or "", platform.system(), platform.processor() or platform.machine())
 
 
 def cpu_name(cpuinfo: str, system: str, fallback: str) -> str:
