@@ -388,8 +388,12 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
                },
                [](auto&&... args) { finish_panel<float>(args...); });
   } else if (!bf16) {
+    // the AVX2 passes work in sub-blocks of kSubSteps, so a k block is whole sub-blocks: two
+    // thirds of a 32 KiB L1 (170 steps) would run as 128 + 42, the short one paying every pass's
+    // set-up for a third of the work (docs/architecture.md has the figures)
+    const int64_t avx2_block = std::max(kSubSteps, k_block / kSubSteps * kSubSteps);
     run_panels<kBlockRowsAvx2>(x.data_ptr<float>(), wp.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr,
-               y.data_ptr<float>(), M, N, K, K, k_block, row_block,
+               y.data_ptr<float>(), M, N, K, K, avx2_block, row_block,
                [](auto rows, auto spread, auto&&... args) {
                  panel_f32_avx2<decltype(rows)::value, decltype(spread)::value>(args...);
                },
