@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -13,8 +14,7 @@ from engine.core.scheduler import make_scheduler
 from engine.model.runner import ModelRunner
 from engine.observe.metrics import RequestRecord, summarize
 
-# what an engine cuts max_model_len to: the core then refuses a request the runner could not hold
-RUNNER_SLOTS = "this runner's KV slots (sized to the model's positions or the config it was built with)"
+log = logging.getLogger("miniserve.engine")
 
 __all__ = ["Engine", "RunResult", "StepRecord"]
 
@@ -43,9 +43,20 @@ class Engine:
     def __init__(self, scheduler_config: SchedulerConfig, model_config: ModelConfig,
                  runner: ModelRunner | None = None) -> None:
         self.runner = runner or ModelRunner(model_config, scheduler_config)
-        self.scheduler_config = scheduler_config.within(self.runner.max_model_len, RUNNER_SLOTS)
+        self.scheduler_config = self._within_runner(scheduler_config)
         self.core = EngineCore(self.scheduler_config)
         self._prepare_runner()
+
+    def _within_runner(self, config: SchedulerConfig) -> SchedulerConfig:
+        """``max_model_len`` no longer than the runner's KV slots (the model's positions, or the
+        config it was built for): the core then refuses a request that could not run, where it
+        would otherwise fail mid-run in the model and take the run's other requests with it."""
+        within = config.within(self.runner.max_model_len)
+        if within is not config:
+            log.warning("scheduler.max_model_len=%d is longer than this runner's KV slots (the model's positions "
+                        "or the config it was built with): requests are limited to %d tokens",
+                        config.max_model_len, within.max_model_len)
+        return within
 
     def _prepare_runner(self) -> None:
         """A runner shared between engines gets a prefix store when this one caches prefixes."""
@@ -66,7 +77,7 @@ class Engine:
         if self.core.has_unfinished:
             raise RuntimeError("cannot reset an engine with requests in flight")
         if scheduler_config is not None:
-            self.scheduler_config = scheduler_config.within(self.runner.max_model_len, RUNNER_SLOTS)
+            self.scheduler_config = self._within_runner(scheduler_config)
         self.core.release(self.runner)
         self.core = EngineCore(self.scheduler_config, make_scheduler(self.scheduler_config))
         self._prepare_runner()

@@ -4,8 +4,12 @@ and ``__post_init__`` checks values when the config becomes objects."""
 
 from __future__ import annotations
 
+import logging
+
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
+
+log = logging.getLogger("miniserve.config")
 
 
 def _writable(node: DictConfig | ListConfig) -> DictConfig | ListConfig:
@@ -39,6 +43,11 @@ def to_object(cfg: DictConfig, *, runs_model: bool = False):
     if scheduler is not None and model is not None:  # the same limit for the real engine and the simulator
         from engine.core.model_shape import max_positions
 
-        app.scheduler = scheduler.within(max_positions(model), "the model's max_position_embeddings")
+        within = scheduler.within(max_positions(model))
+        if within is not scheduler:
+            log.warning("scheduler.max_model_len=%d is longer than the model's %d positions "
+                        "(max_position_embeddings): requests are limited to %d tokens",
+                        scheduler.max_model_len, within.max_model_len, within.max_model_len)
+            app.scheduler = within
     return app
 

@@ -74,7 +74,7 @@ def test_preemption_under_kv_pressure_keeps_outputs_exact(engine):
 def test_a_request_past_the_models_positions_is_refused_though_the_config_allows_it(caplog):
     """scheduler.max_model_len above max_position_embeddings: the KV slots stop at the model's
     positions, so such a request failed mid-run in the kernel, taking the run's others with it."""
-    with caplog.at_level("WARNING", logger="miniserve.config"):
+    with caplog.at_level("WARNING", logger="miniserve.engine"):
         engine = Engine(SchedulerConfig(name="continuous", max_num_seqs=2, max_model_len=8192), ModelConfig(name="tiny"))
     positions = engine.runner.max_model_len
     assert "scheduler.max_model_len=8192 is longer than this runner's KV slots" in caplog.text

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
-
-log = logging.getLogger("miniserve.config")
 
 SCHEDULER_NAMES = ("serial", "static", "continuous")
 
@@ -48,15 +45,11 @@ class SchedulerConfig:
     def kv_capacity_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
 
-    def within(self, max_len: int | None, limit: str) -> SchedulerConfig:
+    def within(self, max_len: int | None) -> SchedulerConfig:
         """This config with ``max_model_len`` cut to ``max_len`` (a model's positions, a runner's KV
-        slots: ``limit`` names which, for the warning) where it asks for more: a request past them
-        cannot run, so none is accepted, where it would otherwise fail mid-run in the model."""
-        if max_len is None or self.max_model_len <= max_len:
-            return self
-        log.warning("scheduler.max_model_len=%d is longer than %s, %d tokens: requests are limited to %d tokens",
-                    self.max_model_len, limit, max_len, max_len)
-        return replace(self, max_model_len=max_len)
+        slots) where it asks for more: a request past them cannot run, so none is accepted. The
+        caller warns: the core logs nothing (logging imports the clock the core must not touch)."""
+        return self if max_len is None or self.max_model_len <= max_len else replace(self, max_model_len=max_len)
 
 
 MODEL_NAMES = ("tiny", "qwen2_5_0_5b", "qwen2_5_1_5b", "qwen3_0_6b")
