@@ -142,7 +142,7 @@ def allow_the_engines_features() -> None:
 @pytest.mark.skipif(not HAS_AVX512, reason="compares the AVX2 form with the AVX-512 one: needs AVX-512")
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 40), k=st.integers(1, 300), n=st.integers(1, 100), bias=st.booleans(),
-       seed=st.integers(0, 2**16), k_block=st.sampled_from([2, 64, 384]))
+       seed=st.integers(0, 2**16), k_block=st.sampled_from([2, 64, 170, 256, 384]))
 def test_the_avx2_gemv_gives_the_avx512_ones_values(rows, k, n, bias, seed, k_block):
     """Each output is one FMA chain in k order in both forms (only the vector width and the row
     blocking differ), so an AVX2-only CPU computes the same logits bit for bit."""
@@ -163,7 +163,7 @@ def test_the_avx2_gemv_gives_the_avx512_ones_values(rows, k, n, bias, seed, k_bl
 @settings(max_examples=60, deadline=None)
 @given(dtype=st.sampled_from([d for d, ok in EXPECTED.items() if ok] or [torch.float32]), rows=st.integers(1, 150),
        k=st.integers(1, 300), n=st.integers(1, 300), bias=st.booleans(), seed=st.integers(0, 2**16),
-       block=st.sampled_from([8, 16, 64]), k_block=st.sampled_from([2, 6, 64, 384]))
+       block=st.sampled_from([8, 16, 64]), k_block=st.sampled_from([2, 6, 64, 170, 256, 384]))
 def test_gemv_equals_the_exact_product_up_to_rounding(dtype, rows, k, n, bias, seed, block, k_block):
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)

@@ -89,7 +89,8 @@ def k_block(element_size: int) -> int:
     """k steps of a panel the gemv multiplies into every 8 rows of a pass before moving on: as many
     as fill two thirds of this core's L1 (32 outputs' weights per step), so the later row blocks read
     them from L1 while the next block streams in beside them (a block the size of the whole L1 was
-    0.80x as fast at 32 bf16 rows); even (bf16 steps are k pairs) and at least 64."""
+    0.80x as fast at 32 bf16 rows); even (bf16 steps are k pairs) and at least 64. The AVX2 fp32
+    gemv rounds it down to its whole 128-step sub-blocks (gemv.cpp)."""
     l1 = cache_sizes().get("L1", 32 << 10)
     return max(64, l1 * 2 // 3 // (kernels.PANEL * element_size) // 2 * 2)
 

@@ -279,7 +279,7 @@ void for_chunks(int64_t M, int64_t row_block, Fn&& fn) {
 // each k step asking for the weights kStreamAhead bytes on (past 1 row: the hardware prefetcher
 // alone keeps up with one row's arithmetic, not with eight's). Past BlockRows, K is cut into
 // blocks of `block_steps` k steps (k pairs in bf16; dispatch.k_block sizes them to two thirds of
-// the L1 cache): every BlockRows-row block of the row_block rows multiplies a k block in turn while it sits in
+// the L1 cache, AVX2's fp32 rounds that down to whole sub-blocks): every BlockRows-row block of the row_block rows multiplies a k block in turn while it sits in
 // cache, so the weights come from memory once per row_block rows. Meanwhile the next k block is
 // asked for, each pass a 1/passes share of it, one k step every few of its own: the requests go
 // out at the pace the arithmetic consumes the weights, so memory works all through the block
@@ -390,7 +390,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
   } else if (!bf16) {
     // the AVX2 passes work in sub-blocks of kSubSteps, so a k block is whole sub-blocks: two
     // thirds of a 32 KiB L1 (170 steps) would run as 128 + 42, the short one paying every pass's
-    // set-up for a third of the work (docs/architecture.md has the figures)
+    // set-up for a third of a sub-block's work. The next block each pass asks for shrinks with it
+    // (docs/architecture.md has the figures)
     const int64_t avx2_block = std::max(kSubSteps, k_block / kSubSteps * kSubSteps);
     run_panels<kBlockRowsAvx2>(x.data_ptr<float>(), wp.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr,
                y.data_ptr<float>(), M, N, K, K, avx2_block, row_block,
