@@ -279,8 +279,9 @@ void for_chunks(int64_t M, int64_t row_block, Fn&& fn) {
 // each k step asking for the weights kStreamAhead bytes on (past 1 row: the hardware prefetcher
 // alone keeps up with one row's arithmetic, not with eight's). Past BlockRows, K is cut into
 // blocks of `block_steps` k steps (k pairs in bf16; dispatch.k_block sizes them to two thirds of
-// the L1 cache, AVX2's fp32 rounds that down to whole sub-blocks): every BlockRows-row block of the row_block rows multiplies a k block in turn while it sits in
-// cache, so the weights come from memory once per row_block rows. Meanwhile the next k block is
+// the L1 cache, AVX2's fp32 rounds that down to whole sub-blocks): every BlockRows-row block of
+// the row_block rows multiplies a k block in turn while it sits in cache, so the weights come
+// from memory once per row_block rows. Meanwhile the next k block is
 // asked for, each pass a 1/passes share of it, one k step every few of its own: the requests go
 // out at the pace the arithmetic consumes the weights, so memory works all through the block
 // (without that, memory and arithmetic took turns: at 32 rows the product cost the weight stream
