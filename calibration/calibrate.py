@@ -176,7 +176,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     # with a time budget, what it leaves for measuring bounds the retries and extra rounds too
     robust = cfg.robust if plan.budget_s is None else replace(cfg.robust, budget_s=plan.budget_s)
     stamp = functools.partial(memory_read_gb_s, device=runner.device)  # the memory the weights sit in
-    with MemoryStamp(runner.device) as memory:
+    with MemoryStamp(runner.device, runner.decode_weights()) as memory:
         measurements, mlog = measure_shapes(pool, plan.shapes, plan.repeats, plan.warmups, cfg.seed,
                                             cfg.progress, robust, stamp)
         after_idle = measure_after_idle(pool, [s for s in IDLE_SHAPES if s.max_len <= max_len
@@ -217,6 +217,9 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
         "after_idle": after_idle,  # CostModel.after_idle_s
         "roofline": {"machine": machine.to_dict(), "heldout": fit["roofline_heldout"]},
         "memory_read_gb_s": {"before": memory.before, "after": memory.after},  # CostModel.memory_read_gb_s
+        # this process's own weights (cost_model.weights_read_gb_s): slower than the fresh memory above
+        # where they landed in slow memory, and this profile's decode calls with them
+        "weights_read_gb_s": {"before": memory.weights_before, "after": memory.weights_after},
         "grid": {"name": cfg.grid, "spec": asdict(spec), "calls": len(plan.shapes), "budget": plan.to_dict(),
                  "engine_calls": sum(len(m.times_s) for m in engine_calls), "engine_shapes": len(engine_calls),
                  "repeats": cfg.repeats or spec.repeats, "warmup": cfg.warmup, "wall_s": wall,

@@ -131,6 +131,16 @@ def after_idle_s(info: dict) -> tuple[float, float]:
     return (part["idle_s"], part["extra_s"]) if part else (float("inf"), 0.0)
 
 
+def weights_read_gb_s(info: dict) -> float | None:
+    """The read rate of the calibrating process's own weights around its calibration
+    (calibration.roofline.MemoryStamp), or None for profiles from before it was stamped or whose
+    decode weights were opaque. (Either cost model's, from the profile's info.)"""
+    stamp = info.get("weights_read_gb_s") or {}
+    if stamp.get("before") is None or stamp.get("after") is None:
+        return None
+    return (stamp["before"] + stamp["after"]) / 2
+
+
 class ProfileMismatchError(ValueError):
     """A calibration profile measured for another model, dtype or feature set."""
 

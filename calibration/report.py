@@ -6,7 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
+from calibration.cost_model import weights_read_gb_s
+
 NOISY_SPREAD = 0.10  # a median repeat spread past this: the report says the errors are the machine's
+SLOW_PLACEMENT = 0.85  # the weights reading slower than this share of fresh memory: the report warns
 
 
 def _row(name: str, e: dict) -> str:
@@ -34,6 +37,7 @@ def error_table_text(result) -> str:
     lines.append(f"\nmachine: {machine['bandwidth_bytes_s'] / 1e9:.1f} GB/s, "
                  f"{machine['matmul_flops_s'] / 1e9:.0f} GFLOP/s; measured/roofline median "
                  f"{fit['measured_over_roofline_median']:.2f}")
+    lines.append(weights_line(info))
     lines.append(f"step overhead outside the model call: median {1e3 * ovh['median_s']:.2f} ms, "
                  f"{100 * ovh['share_of_busy']:.1f}% of model time ({ovh['steps']} steps)")
     grid = info["grid"]
@@ -52,6 +56,22 @@ def error_table_text(result) -> str:
     if cuts:
         lines.append(f"cut to fit calibration.time_budget_s: {'; '.join(cuts)}")
     return "\n".join(lines)
+
+
+def weights_line(info: dict) -> str:
+    """Fresh memory's read rate beside this process's own weights' (calibration.roofline.MemoryStamp),
+    and a warning where the weights read much slower: the profile's decode calls then ran slower
+    than a process whose weights landed elsewhere would run them."""
+    stamp, weights = info["memory_read_gb_s"], weights_read_gb_s(info)
+    fresh = (stamp["before"] + stamp["after"]) / 2
+    if weights is None:
+        return f"memory read {fresh:.1f} GB/s (the decode weights are opaque here: their own rate not stamped)"
+    line = f"memory read {fresh:.1f} GB/s fresh, {weights:.1f} GB/s this process's decode weights"
+    if weights < SLOW_PLACEMENT * fresh:
+        line += (f"; the weights read {100 * (1 - weights / fresh):.0f}% slower than fresh memory: they landed in "
+                 "slow memory for this process's life, and its decode calls, so this profile's predictions of "
+                 "them, are slower than a process whose weights did not (calibrate again: a new process)")
+    return line
 
 
 def plot_calibration(result, path: Path) -> None:

@@ -8,7 +8,7 @@ FLOPs = 2·dense params·tokens + 2·lm_head params·sampled rows + attention (Q
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Union
 
@@ -117,22 +117,54 @@ def memory_read_gb_s(mem_bytes: int = 256 << 20, repeats: int = 3, device: Devic
     return mem_bytes / best_s(lambda: buf.sum(), repeats, device) / 1e9
 
 
-class MemoryStamp:
-    """``with MemoryStamp(device) as stamp: work`` — memory_read_gb_s just before and just after."""
+def tensors_read_gb_s(tensors: Sequence[torch.Tensor], max_bytes: int = 1 << 30, repeats: int = 3,
+                      device: Device = "cpu") -> float | None:
+    """Read bandwidth of these tensors where they sit (a model's own weights), or None for none.
 
-    def __init__(self, device: Device = "cpu") -> None:
+    Why beside ``memory_read_gb_s``: on a VM the memory a process's weights landed in can read
+    slower than fresh memory for that process's whole life, its decode calls with it, while other
+    processes at the same minutes, and every fresh buffer, read at the usual rate
+    (docs/architecture.md has the figures): only a read of the weights themselves sees it. Past
+    ``max_bytes``, tensors are taken at an even stride through the list so the sample still spans
+    the model."""
+    if not tensors:
+        return None
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    stride = max(1, -(-total // max_bytes))
+    sample = list(tensors[::stride])
+    nbytes = sum(t.numel() * t.element_size() for t in sample)
+    return nbytes / best_s(lambda: [t.sum() for t in sample], repeats, device) / 1e9
+
+
+class MemoryStamp:
+    """``with MemoryStamp(device, weights) as stamp: work`` — memory_read_gb_s just before and just
+    after, and, given the weights the calls stream, their own read rate too (tensors_read_gb_s)."""
+
+    def __init__(self, device: Device = "cpu", weights: Sequence[torch.Tensor] = ()) -> None:
         self.device = device
+        self.weights = list(weights)
+        self.weights_before: float | None = None
+        self.weights_after: float | None = None
 
     def __enter__(self) -> MemoryStamp:
         self.before = memory_read_gb_s(device=self.device)
+        self.weights_before = tensors_read_gb_s(self.weights, device=self.device)
         return self
 
     def __exit__(self, *exc) -> None:
         self.after = memory_read_gb_s(device=self.device)
+        self.weights_after = tensors_read_gb_s(self.weights, device=self.device)
 
     @property
     def gb_s(self) -> float:
         return (self.before + self.after) / 2
+
+    @property
+    def weights_gb_s(self) -> float | None:
+        """The weights' read rate around the work, or None where none were given (or readable)."""
+        if self.weights_before is None or self.weights_after is None:
+            return None
+        return (self.weights_before + self.weights_after) / 2
 
 
 class BandwidthProbe:

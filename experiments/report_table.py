@@ -50,6 +50,8 @@ def format_side_by_side(real: dict, sim: dict) -> str:
             # real: around the run; sim: around its calibration. Decode runs at memory speed, so
             # a gap here explains a gap above (calibration.roofline.MemoryStamp)
             ("memory GB/s", lambda x: x.get("memory_read_gb_s"), "{:.0f}"),
+            # the process's own decode weights: slower than the line above where they landed in slow memory
+            ("weights GB/s", lambda x: x.get("weights_read_gb_s"), "{:.0f}"),
         ):
             rows.append([name, label, show(fmt, get(r)), show(fmt, get(s)), err(get(r), get(s))])
     return format_table(header, rows)

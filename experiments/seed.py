@@ -18,6 +18,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
+from calibration.cost_model import weights_read_gb_s
 from calibration.roofline import MemoryStamp
 from engine.core.config import SCHEDULER_NAMES, ModelConfig, SchedulerConfig
 from engine.observe.trace import summarize_trace, write_chrome_trace
@@ -81,7 +82,7 @@ def run_scheduler(model: ModelConfig, scheduler: SchedulerConfig, workload: Work
         engine.warmup()
     requests = make_requests(generate(workload), vocab_size=engine.runner.vocab_size, seed=workload.seed)
     trace_path = out_dir / f"trace_{scheduler.name}.json"
-    with MemoryStamp(engine.runner.device) as memory:
+    with MemoryStamp(engine.runner.device, engine.runner.decode_weights()) as memory:
         if profile:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 result = engine.run(requests)
@@ -92,7 +93,8 @@ def run_scheduler(model: ModelConfig, scheduler: SchedulerConfig, workload: Work
     metrics = result.metrics()
     write_requests_csv(result.records, out_dir / "requests.csv")
     write_metrics_json(metrics, out_dir / "metrics.json")
-    return seed_row(metrics, trace_path, scheduler.max_num_seqs, out_dir.parent) | {"memory_read_gb_s": memory.gb_s}
+    return seed_row(metrics, trace_path, scheduler.max_num_seqs, out_dir.parent) | {
+        "memory_read_gb_s": memory.gb_s, "weights_read_gb_s": memory.weights_gb_s}
 
 
 def _export_model_regions(prof, path: Path) -> None:
@@ -121,7 +123,7 @@ def simulate_scheduler(profile: str, model: ModelConfig, scheduler: SchedulerCon
     cost = load_cost_model(profile, model)
     metrics = write_outputs(run_workload(cost, scheduler, workload, SimOptions()), out_dir, scheduler.max_num_seqs)
     return seed_row(metrics, out_dir / "trace.json", scheduler.max_num_seqs, out_dir.parent.parent) | {
-        "memory_read_gb_s": cost.memory_read_gb_s}  # the calibration's
+        "memory_read_gb_s": cost.memory_read_gb_s, "weights_read_gb_s": weights_read_gb_s(cost.info)}  # the calibration's
 
 
 def run_seed_experiment(app: SeedApp, out_dir: Path) -> tuple[dict, dict | None]:

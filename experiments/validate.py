@@ -51,7 +51,7 @@ from hydra.core.hydra_config import HydraConfig
 
 from calibration import bandwidth_history
 from calibration.contention import CONTENDED_SHARE, Interval
-from calibration.cost_model import CostModel
+from calibration.cost_model import CostModel, weights_read_gb_s
 from calibration.noise import RunNoise, calibration_stamps, calls_gb_s
 from calibration.physical import AnyCostModel, PhysicalCostModel, at_run_bandwidth
 from calibration.roofline import MemoryStamp
@@ -227,11 +227,12 @@ def real_run(engine, row: Row, calibration_gb_s: float, limits: Contention) -> d
     engine.reset(row.scheduler)
     engine.warmup()
     requests = make_requests(generate(row.workload), vocab_size=engine.runner.vocab_size, seed=row.workload.seed)
-    with MemoryStamp(engine.runner.device) as memory, Interval() as others:
+    with MemoryStamp(engine.runner.device, engine.runner.decode_weights()) as memory, Interval() as others:
         real = engine.run(requests)
     metrics = with_trace(real.metrics(), real.trace_calls(), row.scheduler.max_num_seqs)
     reason = contended(others.others_cores, memory.gb_s, calibration_gb_s, limits)
-    return {"metrics": metrics, "memory_gb_s": memory.gb_s, "others_cores": others.others_cores,
+    return {"metrics": metrics, "memory_gb_s": memory.gb_s, "weights_gb_s": memory.weights_gb_s,
+            "others_cores": others.others_cores,
             "contended": bool(reason), "reason": reason,
             "replay": [(r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens) for r in real.records],
             # for side-by-side traces: each step (label, start, end, model call) and each request's
@@ -259,6 +260,7 @@ def real_repeat(app: ValidateApp, rows: list[Row], calibration_gb_s: float, repe
             out.append(run)
             print(f"  repeat {repeat} {rows[i].name:14s} {rows[i].scheduler.name:10s} cap={rows[i].scheduler.max_num_seqs}: "
                   f"{run['metrics']['output_throughput_tok_s']:.2f} out tok/s, memory {run['memory_gb_s']:.0f} GB/s"
+                  + (f", weights {run['weights_gb_s']:.0f}" if run["weights_gb_s"] is not None else "")
                   + (f"  CONTENDED ({run['reason']})" + ("; re-run" if attempt == 0 else "") if run["contended"] else ""),
                   flush=True)
             if not run["contended"]:
@@ -371,10 +373,12 @@ def row_moves(cost: AnyCostModel, row: Row, replay: list[tuple], sim_m: dict, by
 
 
 def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict], tolerance: dict,
-                calibration_gb_s: float, band_source: str = "", moves: dict[str, float] | None = None) -> list[dict]:
+                calibration_gb_s: float, band_source: str = "", moves: dict[str, float] | None = None,
+                calibration_weights_gb_s: float = math.nan) -> list[dict]:
     """validation.csv's records of one row, one per metric."""
     used = counted(runs)
     seen_gb_s = runs_gb_s(runs)
+    weights = [r["weights_gb_s"] for r in used if r.get("weights_gb_s") is not None]  # none in older real_runs
     records = []
     for metric, read, kind in METRICS:
         real = [float(read(r["metrics"])) for r in used]
@@ -387,7 +391,10 @@ def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict]
                "contended_runs": sum(r["contended"] for r in used), "reruns": len(runs) - len(used),
                "sim": sim, "rel_error": err, "tolerance": tolerance[kind], "allowed": allowed, "ok": ok,
                "memory_gb_s": statistics.median(r["memory_gb_s"] for r in used), "runs_gb_s": seen_gb_s,
-               "calibration_memory_gb_s": calibration_gb_s, "_real": real}
+               "calibration_memory_gb_s": calibration_gb_s,
+               # the runs' own decode weights read slower than the calibration's: placement (MemoryStamp)
+               "weights_gb_s": statistics.median(weights) if weights else math.nan,
+               "calibration_weights_gb_s": calibration_weights_gb_s, "_real": real}
         if moves is not None:
             rec["sim_moves"] = moves[metric]
         if replicate_m:
@@ -429,7 +436,8 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
                                 "scheduler": rows[r["row"]].scheduler.name,
                                 "max_num_seqs": rows[r["row"]].scheduler.max_num_seqs, "repeat": r["repeat"],
                                 "attempt": r["attempt"], "contended": r["contended"], "reason": r["reason"],
-                                "memory_gb_s": r["memory_gb_s"], "calls_gb_s": r["calls_gb_s"],
+                                "memory_gb_s": r["memory_gb_s"], "weights_gb_s": r.get("weights_gb_s"),
+                                "calls_gb_s": r["calls_gb_s"],
                                 "others_cores": r["others_cores"],
                                 **{m: float(read(r["metrics"])) for m, read, _ in METRICS}} for r in runs]
                               ).to_csv(out_dir / "real_runs.csv", index=False)
@@ -443,7 +451,8 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
         cost_row = row_cost(cost, mine, app.use_run_bandwidth)
         sim_m, rep_m = simulate_row(cost_row, row, mine[0]["replay"], app.bands.replicates, app.bands.seed, noise)
         moves = row_moves(cost_row, row, mine[0]["replay"], sim_m, app.sensitivity) if app.sensitivity else None
-        records += compare_row(row, mine, sim_m, rep_m, tolerance, calibration_gb_s, noise.describe(), moves)
+        records += compare_row(row, mine, sim_m, rep_m, tolerance, calibration_gb_s, noise.describe(), moves,
+                               weights_read_gb_s(cost.info) or math.nan)
         used = counted(mine)
         print(f"  {row.name:14s} {row.scheduler.name:10s} cap={row.scheduler.max_num_seqs}: real "
               f"{statistics.median(r['metrics']['output_throughput_tok_s'] for r in used):.2f} (median of {len(used)}) "

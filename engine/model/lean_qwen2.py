@@ -147,6 +147,15 @@ class LeanQwen2:
             trim_heap()
         return out
 
+    def decode_weights(self) -> list[torch.Tensor]:
+        """The weight copies a one-row decode call streams, where they are plain tensors (oneDNN's
+        packed copies are opaque, so a model decoding on them has none to show): what a stamp of
+        the weights' own read rate reads (calibration.roofline.tensors_read_gb_s)."""
+        choice = self._by_rows[1]
+        copies = [p.panels.data if choice == "gemv" and p.panels is not None
+                  else p.plain if choice == "torch" else None for p in self.projections]
+        return [c for c in copies if c is not None]
+
     @classmethod
     def supports(cls, model) -> bool:
         cfg = model.config

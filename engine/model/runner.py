@@ -24,6 +24,7 @@ from engine.model.device import DeviceTimer, resolve
 from engine.model.lean_qwen2 import LeanQwen2
 from engine.model.loader import load_model, pack_linear_weights
 from engine.model.prefix_store import PrefixKVStore
+from engine.model.weights import released
 from engine.model.sampler import needs_sampler, sample
 from engine.core.plan import BatchPlan, StepResult
 from engine.core.request import Request
@@ -85,6 +86,13 @@ class ModelRunner:
                 "decode_attention": self.decode_attention is not None,
                 "layer_ops": lean is not None and lean.ops is not kernels.TORCH_LAYER_OPS,
                 "argmax": self.greedy is not _torch_greedy}
+
+    def decode_weights(self) -> list[torch.Tensor]:
+        """The weights a one-row decode call streams, as tensors that can be read (LeanQwen2's
+        chosen copies; elsewhere the model's parameters still held)."""
+        if self._lean is not None:
+            return self._lean.decode_weights()
+        return [p for p in self.model.parameters() if not released(p)]
 
     @property
     def num_slots_used(self) -> int:

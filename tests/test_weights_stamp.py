@@ -1,0 +1,90 @@
+"""The stamp of a process's own decode weights: on a VM they can land in memory that reads slower
+than fresh memory for the process's whole life, and only a read of them shows it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from calibration import roofline  # noqa: E402
+from calibration.cost_model import weights_read_gb_s  # noqa: E402
+from calibration.report import SLOW_PLACEMENT, weights_line  # noqa: E402
+from engine.core.config import ModelConfig, SchedulerConfig  # noqa: E402
+from engine.model.runner import ModelRunner  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return ModelRunner(ModelConfig(name="tiny", num_threads=1, device="cpu"), SchedulerConfig(max_num_seqs=2))
+
+
+def test_decode_weights_are_the_copies_a_one_row_call_reads(runner):
+    lean = runner._lean
+    choice = lean._by_rows[1]
+    copies = [p.panels.data if choice == "gemv" else p.plain if choice == "torch" else None for p in lean.projections]
+    expected = [c.data_ptr() for c in copies if c is not None]
+    assert [w.data_ptr() for w in runner.decode_weights()] == expected
+    if choice != "onednn":  # every projection, the lm_head included: at least the linears' own bytes
+        linears = [m.weight for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
+        assert len(expected) == len(lean.projections)
+        assert sum(w.numel() * w.element_size() for w in runner.decode_weights()) >= \
+            sum(w.numel() * w.element_size() for w in linears)
+
+
+def test_generic_runner_stamps_its_parameters():
+    generic = ModelRunner(ModelConfig(name="tiny", num_threads=1, device="cpu"), SchedulerConfig(max_num_seqs=2),
+                          generic=True)
+    assert {w.data_ptr() for w in generic.decode_weights()} == {p.data_ptr() for p in generic.model.parameters()}
+
+
+def test_a_sample_past_max_bytes_spans_the_list(monkeypatch):
+    """Past max_bytes every stride-th tensor is read (here 2 of 4): the rate is over what was read."""
+    monkeypatch.setattr(roofline, "best_s", lambda fn, repeats, device: (fn(), 1.0)[1])
+    tensors = [torch.ones(1 << 18) for _ in range(4)]  # 1 MiB each
+    assert roofline.tensors_read_gb_s(tensors, max_bytes=2 << 20) == pytest.approx((2 << 20) / 1e9)
+    assert roofline.tensors_read_gb_s(tensors, max_bytes=1 << 30) == pytest.approx((4 << 20) / 1e9)
+    assert roofline.tensors_read_gb_s([]) is None
+
+
+def test_memory_stamp_reads_the_weights_it_is_given(runner):
+    with roofline.MemoryStamp("cpu", runner.decode_weights()) as stamp:
+        pass
+    assert stamp.gb_s > 0 and stamp.weights_gb_s > 0
+    with roofline.MemoryStamp("cpu") as plain:
+        pass
+    assert plain.weights_gb_s is None
+
+
+def _info(fresh: float, weights: float | None) -> dict:
+    return {"memory_read_gb_s": {"before": fresh, "after": fresh},
+            "weights_read_gb_s": {"before": weights, "after": weights}}
+
+
+def test_report_warns_where_the_weights_read_slow():
+    assert weights_read_gb_s(_info(20.0, 18.0)) == 18.0
+    assert weights_read_gb_s({}) is None and weights_read_gb_s(_info(20.0, None)) is None
+    assert "slower than fresh memory" not in weights_line(_info(20.0, 20.0 * SLOW_PLACEMENT + 0.1))
+    slow = weights_line(_info(20.0, 14.0))
+    assert "30% slower than fresh memory" in slow and "calibrate again" in slow
+    assert "opaque" in weights_line(_info(20.0, None))
+
+
+def test_validate_rows_carry_the_runs_weights_stamp():
+    """validation.csv: the counted runs' median weights stamp beside the calibration's; runs saved
+    before the stamp existed give NaN, not an error."""
+    from engine.observe.workload import WorkloadConfig
+    from experiments.validate import Row, compare_row
+
+    row = Row("seed_burst", SchedulerConfig(max_num_seqs=4), WorkloadConfig(num_requests=4))
+    metrics = {"output_throughput_tok_s": 10.0, "ttft_s": {"p50": 1.0, "p99": 2.0}, "tpot_s": {"p50": 0.1, "p99": 0.2},
+               "e2el_s": {"p50": 3.0, "p99": 4.0}, "model_calls": 8, "occupancy_at_max": 0.5}
+    runs = [{"repeat": k, "attempt": 0, "contended": False, "memory_gb_s": 20.0, "calls_gb_s": None,
+             "weights_gb_s": w, "metrics": metrics} for k, w in enumerate((15.0, 19.0, 18.0))]
+    tol = {"throughput": 0.05, "p50": 0.05, "p99": 0.1, "calls": 0.0, "occupancy": 0.05}
+    recs = compare_row(row, runs, metrics, [], tol, 20.0, calibration_weights_gb_s=21.0)
+    assert {r["weights_gb_s"] for r in recs} == {18.0} and {r["calibration_weights_gb_s"] for r in recs} == {21.0}
+    old = [{k: v for k, v in r.items() if k != "weights_gb_s"} for r in runs]
+    assert all(math.isnan(r["weights_gb_s"]) for r in compare_row(row, old, metrics, [], tol, 20.0))
