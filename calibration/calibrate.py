@@ -175,7 +175,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     plan = plan_to_budget(pool, shapes, cfg, spec.repeats, t0)
     # with a time budget, what it leaves for measuring bounds the retries and extra rounds too
     robust = cfg.robust if plan.budget_s is None else replace(cfg.robust, budget_s=plan.budget_s)
-    stamp = functools.partial(memory_read_gb_s, device=runner.device)  # the memory the weights sit in
+    stamp = functools.partial(memory_read_gb_s, device=runner.device)  # fresh memory where the weights sit
     with MemoryStamp(runner.device, runner.decode_weights()) as memory:
         measurements, mlog = measure_shapes(pool, plan.shapes, plan.repeats, plan.warmups, cfg.seed,
                                             cfg.progress, robust, stamp)

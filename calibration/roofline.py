@@ -107,8 +107,8 @@ def _onednn_runs(dtype: torch.dtype, device: Device) -> bool:
 
 
 def memory_read_gb_s(mem_bytes: int = 256 << 20, repeats: int = 3, device: Device = "cpu") -> float:
-    """Read bandwidth now, of the memory the model's weights sit in (the host's, or the GPU's): a
-    quick stamp (~0.1 s) for a real run or a calibration. Decode calls run at memory speed, and on
+    """Read bandwidth now, of fresh memory where the model's weights sit (the host's, or the GPU's):
+    a quick stamp (~0.1 s) for a real run or a calibration. Decode calls run at memory speed, and on
     a shared host the bandwidth moves with other tenants (docs/architecture.md has this VM's range),
     so a simulated-vs-real gap with different stamps is the machine, not the model."""
     import torch

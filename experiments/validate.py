@@ -30,7 +30,10 @@ the row's simulation scaled by the 5–95% spread of real/simulated over every o
 and its coverage: the band a user of this simulator on this machine can expect. Writes DIR/validation.csv, DIR/real_runs.csv (every attempt) and DIR/real_runs.json (also each
 run's requests: ``real_runs=DIR/real_runs.json`` simulates against the same runs again) and prints the table.
 Without a profile, a quick calibration runs first. ``use_run_bandwidth=true`` times each row's
-simulation with the profile's physical model priced at the median bandwidth that row's real runs'
+simulation with the profile's physical model priced at the median bandwidth that row's real runs
+saw: with ``run_bandwidth=weights`` (default) the calibration's, scaled by how fast each run's own
+decode weights read against the calibration's (two stamps, independent of the calls); with
+``run_bandwidth=calls``, or where a run or the profile has no weights stamp, the bandwidth its
 calls saw (calibration.noise.calls_gb_s; the stamp around a run whose calls fit none).
 """
 
@@ -102,8 +105,9 @@ class ValidateBands:
     # history or calibration stamps, and the other rows' real runs, never the row's own);
     # "rounds" a calibration round's factor (the band before the history)
     draw: str = "history"
-    # what a real run adds to the history: "calls" the bandwidth its calls saw (through the
-    # physical model, calibration.noise.calls_gb_s), "stamps" the probe stamped around it
+    # what a real run adds to the history: "calls" the bandwidth it saw as ``run_bandwidth`` reads
+    # it (run_gb_s: its weights' stamps, or its calls through the physical model), "stamps" the
+    # fresh-memory probe stamped around it
     history: str = "calls"
 
     def __post_init__(self) -> None:
@@ -142,10 +146,14 @@ class ValidateApp:
     bands: ValidateBands = field(default_factory=ValidateBands)
     real_runs: str | None = None  # a previous validation's real_runs.json: simulate against those runs again
     saturation_requests: int = 64  # burst size used to find each configuration's saturation rate
-    # price the simulation of each row at the read bandwidth its real runs' calls saw (the
-    # profile's physical cost model; row_cost), so a slow spell of the host's memory is not
-    # counted as error
+    # price the simulation of each row at the read bandwidth its real runs saw (the profile's
+    # physical cost model; row_cost), so a slow spell of the host's memory, or a process whose
+    # weights landed in slow memory, is not counted as error
     use_run_bandwidth: bool = False
+    # what a run saw (run_gb_s): "weights", the calibration's bandwidth scaled by the run's own decode
+    # weights' read rate over the calibration's (placed_gb_s: stamps, independent of the run's calls;
+    # "calls" where either side has no such stamp), or "calls" (calls_gb_s: fitted to the run's calls)
+    run_bandwidth: str = "weights"
     # each row is also simulated with every call this much slower and faster (about a calibration's
     # held-out error plus a quiet host's drift between runs); validation.csv's sim_moves says how far
     # each metric moves. Where that is past the tolerance, a point prediction is luck (0: off)
@@ -154,6 +162,8 @@ class ValidateApp:
     def __post_init__(self) -> None:
         if not 0 <= self.sensitivity < 1:
             raise ValueError(f"sensitivity must be in [0, 1), got {self.sensitivity!r}")
+        if self.run_bandwidth not in ("weights", "calls"):
+            raise ValueError(f"run_bandwidth must be weights or calls, got {self.run_bandwidth!r}")
 
 
 register("validate_schema", ValidateApp)
@@ -289,21 +299,35 @@ def row_passes(sim: float, real: list[float], tolerance: float) -> tuple[float, 
 
 def row_cost(cost: AnyCostModel, runs: list[dict], use_run_bandwidth: bool) -> AnyCostModel:
     """The cost model a row is simulated with: the profile's, or with ``use_run_bandwidth`` its
-    physical model priced at the median over the row's real runs of the bandwidth each run's calls
-    saw (``calls_gb_s``; the probe stamped around the run where no bandwidth fits its calls), so a
-    slow spell of the host's memory is not counted as simulator error. One number per run, fitted
-    to its calls' median: throughput under it is no independent test, but when and with whom each
-    request is scheduled (TTFT, the batches) still is."""
+    physical model priced at the median over the row's real runs of the bandwidth each saw
+    (``run_gb_s``), so a slow spell of the host's memory, or a process whose weights landed in slow
+    memory, is not counted as simulator error. Where that is the calls' bandwidth (one number per
+    run, fitted to its calls' median) throughput under it is no independent test, but when and with
+    whom each request is scheduled (TTFT, the batches) still is; the weights' stamps leave both."""
     if not use_run_bandwidth:
         return cost
     return at_run_bandwidth(cost, runs_gb_s(runs))
 
 
 def run_gb_s(run: dict) -> float:
-    """The read bandwidth a real run saw: its calls' (``calls_gb_s``), the probe's stamp where no
-    bandwidth fits its calls."""
-    calls = run.get("calls_gb_s")
-    return run["memory_gb_s"] if calls is None else calls
+    """The read bandwidth a real run saw: as its weights' stamps place it (``placed_gb_s``, where
+    validate's ``run_bandwidth`` asks for it and both sides were stamped), else its calls'
+    (``calls_gb_s``), else the probe's stamp where no bandwidth fits its calls."""
+    for key in ("placed_gb_s", "calls_gb_s"):
+        if run.get(key) is not None:
+            return run[key]
+    return run["memory_gb_s"]
+
+
+def placed_gb_s(cost: AnyCostModel, run: dict) -> float | None:
+    """The calibration's read bandwidth scaled by how fast this run's own decode weights read
+    against the calibration's (calibration.roofline.MemoryStamp): a process whose weights landed in
+    slower or faster memory than the calibration's, or a spell around the run, moves it, and the
+    run's calls do not (unlike ``calls_gb_s``). None where either side has no weights stamp."""
+    ours, theirs, memory = run.get("weights_gb_s"), weights_read_gb_s(cost.info), cost.memory_read_gb_s
+    if ours is None or theirs is None or memory is None:
+        return None
+    return memory * ours / theirs
 
 
 def runs_gb_s(runs: list[dict]) -> float:
@@ -334,9 +358,13 @@ def row_run_noise(cost: AnyCostModel, runs: list[dict], row: int, draw: str, his
         base = RunNoise(tuple(stamps), base.round_log, f"{len(stamps)} calibration stamps")
     others = [r for r in runs if r["row"] != row]
     stamps = [run_gb_s(r) if history == "calls" else r["memory_gb_s"] for r in others]
-    called = sum(r.get("calls_gb_s") is not None for r in others) if history == "calls" else 0
-    how = "stamped" if not called else "as their calls saw it" if called == len(others) else \
-        f"{called} as their calls saw it, the rest stamped"
+    placed = sum(r.get("placed_gb_s") is not None for r in others) if history == "calls" else 0
+    called = sum(r.get("placed_gb_s") is None and r.get("calls_gb_s") is not None for r in others) \
+        if history == "calls" else 0
+    parts = [f"{placed} as their weights' stamps place them" if placed else "",
+             f"{called} as their calls saw it" if called else "",
+             f"{len(others) - placed - called} stamped" if len(others) - placed - called else ""]
+    how = ", ".join(p for p in parts if p)
     return base.with_stamps(stamps, f"{len(others)} of other rows' real runs, {how}")
 
 
@@ -428,6 +456,7 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
     physical = physical_model(cost)
     for r in runs:
         r["calls_gb_s"] = run_calls_gb_s(physical, r)
+        r["placed_gb_s"] = placed_gb_s(cost, r) if app.run_bandwidth == "weights" else None
     if not app.real_runs:  # fresh runs join this machine's history, for later calibrations' profiles
         threads = app.model.num_threads or cost.info.get("measured_on", {}).get("threads") or os.cpu_count()
         bandwidth_history.record(threads, [run_gb_s(r) for r in runs], "validate run")
@@ -437,7 +466,7 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
                                 "max_num_seqs": rows[r["row"]].scheduler.max_num_seqs, "repeat": r["repeat"],
                                 "attempt": r["attempt"], "contended": r["contended"], "reason": r["reason"],
                                 "memory_gb_s": r["memory_gb_s"], "weights_gb_s": r.get("weights_gb_s"),
-                                "calls_gb_s": r["calls_gb_s"],
+                                "calls_gb_s": r["calls_gb_s"], "placed_gb_s": r["placed_gb_s"],
                                 "others_cores": r["others_cores"],
                                 **{m: float(read(r["metrics"])) for m, read, _ in METRICS}} for r in runs]
                               ).to_csv(out_dir / "real_runs.csv", index=False)

@@ -242,3 +242,24 @@ def test_validate_prices_a_row_at_the_bandwidth_its_runs_calls_saw():
             {"repeat": 2, "attempt": 0, "memory_gb_s": 24.0, "calls_gb_s": None}]
     assert row_cost(cost, runs, True).machine.memory_gb_s == 22.0
     assert row_cost(cost, runs, False) is cost
+
+
+def test_validate_places_a_run_by_its_weights_stamp_over_the_calibrations():
+    """run_bandwidth=weights: a run's bandwidth is the calibration's scaled by its decode weights'
+    read rate over the calibration's (independent of its calls), before the calls' bandwidth;
+    where either side has no weights stamp (older profiles and runs) the calls' as before."""
+    from experiments.validate import ValidateApp, placed_gb_s, row_cost
+
+    tiny = ModelConfig(name="tiny", num_threads=1, device="cpu")
+    cost = physical_model(PhysicalShape.of(model_shape(tiny), "float32"), Machine(30.0, 100.0))
+    cost = replace(cost, info={**cost.info, "weights_read_gb_s": {"before": 19.0, "after": 21.0}})
+    run = {"repeat": 0, "attempt": 0, "memory_gb_s": 50.0, "calls_gb_s": 10.0, "weights_gb_s": 24.0}
+    assert placed_gb_s(cost, run) == pytest.approx(30.0 * 24.0 / 20.0)
+    assert placed_gb_s(cost, {k: v for k, v in run.items() if k != "weights_gb_s"}) is None
+    assert placed_gb_s(physical_model(PhysicalShape.of(model_shape(tiny), "float32"), Machine(30.0, 100.0)),
+                       run) is None  # a profile from before the weights stamp
+    placed = {**run, "placed_gb_s": placed_gb_s(cost, run)}
+    assert row_cost(cost, [placed], True).machine.memory_gb_s == pytest.approx(36.0)
+    assert row_cost(cost, [{**run, "placed_gb_s": None}], True).machine.memory_gb_s == 10.0  # the calls'
+    with pytest.raises(ValueError, match="run_bandwidth must be weights or calls"):
+        ValidateApp(run_bandwidth="stamps")
