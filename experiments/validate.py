@@ -364,7 +364,7 @@ def row_run_noise(cost: AnyCostModel, runs: list[dict], row: int, draw: str, his
     parts = [f"{placed} as their weights' stamps place them" if placed else "",
              f"{called} as their calls saw it" if called else "",
              f"{len(others) - placed - called} stamped" if len(others) - placed - called else ""]
-    how = ", ".join(p for p in parts if p)
+    how = ", ".join(p for p in parts if p) or "none"
     return base.with_stamps(stamps, f"{len(others)} of other rows' real runs, {how}")
 
 
