@@ -7,8 +7,8 @@ a limit measured minutes away says little about a call. For each shape, ``--roun
 bandwidth and matmul throughput, time the call (median of ``--repeats``); the call is compared with
 the faster of the probes just before and just after it, and the ratio reported is the median over
 rounds. Issue #7's fixed figures (21 GB/s; 210 GFLOP/s fp32, 750 bf16) are shown beside it.
-Before the shapes it prints the read rate of this process's own decode weights beside the probe's
-buffer: a process whose weights landed in slower memory decodes slower for its whole life, which
+Before the shapes it prints the read rate of this process's own decode weights beside a fresh
+buffer's of their dtype: a process whose weights landed in slower memory decodes slower for its whole life, which
 the probes do not see (docs/architecture.md).
 
 Then one profiled pass per shape splits the call: linears (oneDNN or miniserve's gemv), attention
@@ -26,8 +26,8 @@ import statistics
 import torch
 from calls import shape_plan
 
-from calibration.roofline import (BandwidthProbe, Machine, ModelShape, call_work, measure_matmul,
-                                  roofline_s, tensors_read_gb_s)
+from calibration.roofline import (BandwidthProbe, Machine, MemoryStamp, ModelShape, call_work, measure_matmul,
+                                  roofline_s)
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.model.runner import ModelRunner
 from engine.core.plan import BatchPlan
@@ -88,15 +88,17 @@ def main() -> None:
         def machine_now() -> Machine:
             return Machine(probe.measure(3), measure_matmul(dtype, 3, runner.device))
 
+        # the decode weights' own read rate beside a fresh buffer's of their dtype: on a VM a process's
+        # weights can land in slower memory for its whole life, its decode calls with them (docs/architecture.md)
+        with MemoryStamp(runner.device, runner.decode_weights()) as placed:
+            pass
+        print(f"\n{d}: this process's decode weights read at "
+              + ("n/a (not stamped)" if placed.weights_gb_s is None
+                 else f"{placed.weights_gb_s:.1f} GB/s, a fresh buffer of theirs at {placed.fresh_like:.1f}"),
+              flush=True)
         issue = ISSUE_MACHINE.get(d)
-        print(f"\n{d}: {'shape':12s} {'meas ms':>8s} {'probe GB/s':>11s} {'GFLOP/s':>8s} {'roof ms':>8s} {'bound':>7s} "
+        print(f"{d}: {'shape':12s} {'meas ms':>8s} {'probe GB/s':>11s} {'GFLOP/s':>8s} {'roof ms':>8s} {'bound':>7s} "
               f"{'meas/roof':>9s}" + (f" {'issue roof':>10s} {'meas/issue':>10s}" if issue else ""), flush=True)
-        # the decode weights' own read rate beside the probe's fresh buffer: on a VM a process's weights
-        # can land in slower memory for its whole life, and its decode calls with them (docs/architecture.md)
-        weights_gb_s = tensors_read_gb_s(runner.decode_weights(), device=runner.device)
-        print(f"{d}: this process's decode weights read at "
-              + ("n/a (opaque)" if weights_gb_s is None else f"{weights_gb_s:.1f} GB/s")
-              + f", the probe's buffer at {probe.measure(3) / 1e9:.1f}", flush=True)
         splits = {}
         for name, (contexts, chunks) in shapes.items():
             plan, reqs = shape_plan(runner, contexts, chunks, name.replace(" ", "_"))

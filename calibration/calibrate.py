@@ -217,9 +217,11 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
         "after_idle": after_idle,  # CostModel.after_idle_s
         "roofline": {"machine": machine.to_dict(), "heldout": fit["roofline_heldout"]},
         "memory_read_gb_s": {"before": memory.before, "after": memory.after},  # CostModel.memory_read_gb_s
-        # this process's own weights (cost_model.weights_read_gb_s): slower than the fresh memory above
-        # where they landed in slow memory, and this profile's decode calls with them
-        "weights_read_gb_s": {"before": memory.weights_before, "after": memory.weights_after},
+        # this process's own weights (cost_model.weights_read_gb_s) and a fresh buffer of their dtype read
+        # the same way: the weights read slower where they landed in slow memory, this profile's decode
+        # calls with them (calibration.report warns)
+        "weights_read_gb_s": {"before": memory.weights_before, "after": memory.weights_after,
+                              "fresh": memory.fresh_like},
         "grid": {"name": cfg.grid, "spec": asdict(spec), "calls": len(plan.shapes), "budget": plan.to_dict(),
                  "engine_calls": sum(len(m.times_s) for m in engine_calls), "engine_shapes": len(engine_calls),
                  "repeats": cfg.repeats or spec.repeats, "warmup": cfg.warmup, "wall_s": wall,

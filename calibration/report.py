@@ -59,17 +59,18 @@ def error_table_text(result) -> str:
 
 
 def weights_line(info: dict) -> str:
-    """Fresh memory's read rate beside this process's own weights' (calibration.roofline.MemoryStamp),
-    and a warning where the weights read much slower: the profile's decode calls then ran slower
-    than a process whose weights landed elsewhere would run them."""
-    stamp, weights = info["memory_read_gb_s"], weights_read_gb_s(info)
-    fresh = (stamp["before"] + stamp["after"]) / 2
+    """This process's own decode weights' read rate beside a fresh buffer's of their dtype read the
+    same way (calibration.roofline.MemoryStamp), and a warning where the weights read much slower:
+    the profile's decode calls then ran slower than a process whose weights landed elsewhere."""
+    weights = weights_read_gb_s(info)
     if weights is None:
-        return f"memory read {fresh:.1f} GB/s (the decode weights are opaque here: their own rate not stamped)"
-    line = f"memory read {fresh:.1f} GB/s fresh, {weights:.1f} GB/s this process's decode weights"
+        return "decode weights' own read rate not stamped (opaque packed copies, or not a CPU)"
+    stamp = info["weights_read_gb_s"]
+    fresh = stamp.get("fresh") or (info["memory_read_gb_s"]["before"] + info["memory_read_gb_s"]["after"]) / 2
+    line = f"decode weights read at {weights:.1f} GB/s, a fresh buffer of theirs at {fresh:.1f}"
     if weights < SLOW_PLACEMENT * fresh:
-        line += (f"; the weights read {100 * (1 - weights / fresh):.0f}% slower than fresh memory: they landed in "
-                 "slow memory for this process's life, and its decode calls, so this profile's predictions of "
+        line += (f": the weights read {100 * (1 - weights / fresh):.0f}% slower than fresh memory, where they "
+                 "landed for this process's life, and its decode calls, so this profile's predictions of "
                  "them, are slower than a process whose weights did not (calibrate again: a new process)")
     return line
 

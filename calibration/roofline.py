@@ -106,7 +106,10 @@ def _onednn_runs(dtype: torch.dtype, device: Device) -> bool:
     return onednn_available(dtype)
 
 
-def memory_read_gb_s(mem_bytes: int = 256 << 20, repeats: int = 3, device: Device = "cpu") -> float:
+MEMORY_STAMP_BYTES = 256 << 20  # a stamp's fresh buffer
+
+
+def memory_read_gb_s(mem_bytes: int = MEMORY_STAMP_BYTES, repeats: int = 3, device: Device = "cpu") -> float:
     """Read bandwidth now, of fresh memory where the model's weights sit (the host's, or the GPU's):
     a quick stamp (~0.1 s) for a real run or a calibration. Decode calls run at memory speed, and on
     a shared host the bandwidth moves with other tenants (docs/architecture.md has this VM's range),
@@ -117,7 +120,7 @@ def memory_read_gb_s(mem_bytes: int = 256 << 20, repeats: int = 3, device: Devic
     return mem_bytes / best_s(lambda: buf.sum(), repeats, device) / 1e9
 
 
-def tensors_read_gb_s(tensors: Sequence[torch.Tensor], max_bytes: int = 1 << 30, repeats: int = 3,
+def tensors_read_gb_s(tensors: Sequence[torch.Tensor], max_bytes: int = 512 << 20, repeats: int = 3,
                       device: Device = "cpu") -> float | None:
     """Read bandwidth of these tensors where they sit (a model's own weights), or None for none.
 
@@ -125,30 +128,41 @@ def tensors_read_gb_s(tensors: Sequence[torch.Tensor], max_bytes: int = 1 << 30,
     slower than fresh memory for that process's whole life, its decode calls with it, while other
     processes at the same minutes, and every fresh buffer, read at the usual rate
     (docs/architecture.md has the figures): only a read of the weights themselves sees it. Past
-    ``max_bytes``, tensors are taken at an even stride through the list so the sample still spans
-    the model."""
-    if not tensors:
-        return None
+    ``max_bytes`` the same leading share of every tensor is read, so the sample spans the model."""
+    import torch
+
     total = sum(t.numel() * t.element_size() for t in tensors)
-    stride = max(1, -(-total // max_bytes))
-    sample = list(tensors[::stride])
+    if not total:
+        return None
+    share = min(1.0, max_bytes / total)
+    sample = [t.reshape(-1)[:max(1, int(t.numel() * share))] for t in tensors]  # views of contiguous weights
     nbytes = sum(t.numel() * t.element_size() for t in sample)
-    return nbytes / best_s(lambda: [t.sum() for t in sample], repeats, device) / 1e9
+    with torch.no_grad():
+        return nbytes / best_s(lambda: [t.sum() for t in sample], repeats, device) / 1e9
 
 
 class MemoryStamp:
     """``with MemoryStamp(device, weights) as stamp: work`` — memory_read_gb_s just before and just
-    after, and, given the weights the calls stream, their own read rate too (tensors_read_gb_s)."""
+    after; given the weights the calls stream, also their own read rate before and after
+    (tensors_read_gb_s) and, once, a fresh buffer of their dtype read the same way (``fresh_like``:
+    what they are judged against, so a dtype's summing speed is not taken for slow memory)."""
 
     def __init__(self, device: Device = "cpu", weights: Sequence[torch.Tensor] = ()) -> None:
         self.device = device
         self.weights = list(weights)
         self.weights_before: float | None = None
         self.weights_after: float | None = None
+        self.fresh_like: float | None = None
 
     def __enter__(self) -> MemoryStamp:
         self.before = memory_read_gb_s(device=self.device)
         self.weights_before = tensors_read_gb_s(self.weights, device=self.device)
+        if self.weights_before is not None:
+            import torch
+
+            fresh = torch.ones(MEMORY_STAMP_BYTES // self.weights[0].element_size(), dtype=self.weights[0].dtype,
+                               device=self.device)
+            self.fresh_like = tensors_read_gb_s([fresh], device=self.device)
         return self
 
     def __exit__(self, *exc) -> None:

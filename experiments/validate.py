@@ -105,9 +105,8 @@ class ValidateBands:
     # history or calibration stamps, and the other rows' real runs, never the row's own);
     # "rounds" a calibration round's factor (the band before the history)
     draw: str = "history"
-    # what a real run adds to the history: "calls" the bandwidth it saw as ``run_bandwidth`` reads
-    # it (run_gb_s: its weights' stamps, or its calls through the physical model), "stamps" the
-    # fresh-memory probe stamped around it
+    # what a real run adds to the history: "calls" the bandwidth its calls saw (through the
+    # physical model, calibration.noise.calls_gb_s), "stamps" the probe stamped around it
     history: str = "calls"
 
     def __post_init__(self) -> None:
@@ -150,9 +149,10 @@ class ValidateApp:
     # physical cost model; row_cost), so a slow spell of the host's memory, or a process whose
     # weights landed in slow memory, is not counted as error
     use_run_bandwidth: bool = False
-    # what a run saw (run_gb_s): "weights", the calibration's bandwidth scaled by the run's own decode
-    # weights' read rate over the calibration's (placed_gb_s: stamps, independent of the run's calls;
-    # "calls" where either side has no such stamp), or "calls" (calls_gb_s: fitted to the run's calls)
+    # what use_run_bandwidth prices a row at (run_gb_s): "weights", the calibration's bandwidth scaled
+    # by the runs' own decode weights' read rate over the calibration's (placed_gb_s: stamps,
+    # independent of the runs' calls; the calls' where either side has no such stamp), or "calls"
+    # (calls_gb_s: fitted to the runs' calls)
     run_bandwidth: str = "weights"
     # each row is also simulated with every call this much slower and faster (about a calibration's
     # held-out error plus a quiet host's drift between runs); validation.csv's sim_moves says how far
@@ -297,23 +297,24 @@ def row_passes(sim: float, real: list[float], tolerance: float) -> tuple[float, 
     return err, allowed, abs(err) <= allowed
 
 
-def row_cost(cost: AnyCostModel, runs: list[dict], use_run_bandwidth: bool) -> AnyCostModel:
+def row_cost(cost: AnyCostModel, runs: list[dict], use_run_bandwidth: bool,
+             source: str = "calls") -> AnyCostModel:
     """The cost model a row is simulated with: the profile's, or with ``use_run_bandwidth`` its
     physical model priced at the median over the row's real runs of the bandwidth each saw
-    (``run_gb_s``), so a slow spell of the host's memory, or a process whose weights landed in slow
-    memory, is not counted as simulator error. Where that is the calls' bandwidth (one number per
+    (``run_gb_s`` from ``source``), so a slow spell of the host's memory, or a process whose
+    weights landed in slow memory, is not counted as simulator error. Where that is the calls' bandwidth (one number per
     run, fitted to its calls' median) throughput under it is no independent test, but when and with
     whom each request is scheduled (TTFT, the batches) still is; the weights' stamps leave both."""
     if not use_run_bandwidth:
         return cost
-    return at_run_bandwidth(cost, runs_gb_s(runs))
+    return at_run_bandwidth(cost, runs_gb_s(runs, source))
 
 
-def run_gb_s(run: dict) -> float:
-    """The read bandwidth a real run saw: as its weights' stamps place it (``placed_gb_s``, where
-    validate's ``run_bandwidth`` asks for it and both sides were stamped), else its calls'
-    (``calls_gb_s``), else the probe's stamp where no bandwidth fits its calls."""
-    for key in ("placed_gb_s", "calls_gb_s"):
+def run_gb_s(run: dict, source: str = "calls") -> float:
+    """The read bandwidth a real run saw: with ``source`` "weights" as its weights' stamps place it
+    (``placed_gb_s``) where both sides were stamped; else its calls' (``calls_gb_s``), else the
+    probe's stamp where no bandwidth fits its calls."""
+    for key in ("placed_gb_s", "calls_gb_s") if source == "weights" else ("calls_gb_s",):
         if run.get(key) is not None:
             return run[key]
     return run["memory_gb_s"]
@@ -330,9 +331,9 @@ def placed_gb_s(cost: AnyCostModel, run: dict) -> float | None:
     return memory * ours / theirs
 
 
-def runs_gb_s(runs: list[dict]) -> float:
+def runs_gb_s(runs: list[dict], source: str = "calls") -> float:
     """The read bandwidth a row's counted real runs saw: the median of ``run_gb_s``."""
-    return statistics.median(run_gb_s(r) for r in counted(runs))
+    return statistics.median(run_gb_s(r, source) for r in counted(runs))
 
 
 def run_calls_gb_s(physical: PhysicalCostModel | None, run: dict) -> float | None:
@@ -358,13 +359,9 @@ def row_run_noise(cost: AnyCostModel, runs: list[dict], row: int, draw: str, his
         base = RunNoise(tuple(stamps), base.round_log, f"{len(stamps)} calibration stamps")
     others = [r for r in runs if r["row"] != row]
     stamps = [run_gb_s(r) if history == "calls" else r["memory_gb_s"] for r in others]
-    placed = sum(r.get("placed_gb_s") is not None for r in others) if history == "calls" else 0
-    called = sum(r.get("placed_gb_s") is None and r.get("calls_gb_s") is not None for r in others) \
-        if history == "calls" else 0
-    parts = [f"{placed} as their weights' stamps place them" if placed else "",
-             f"{called} as their calls saw it" if called else "",
-             f"{len(others) - placed - called} stamped" if len(others) - placed - called else ""]
-    how = ", ".join(p for p in parts if p) or "none"
+    called = sum(r.get("calls_gb_s") is not None for r in others) if history == "calls" else 0
+    how = "stamped" if not called else "as their calls saw it" if called == len(others) else \
+        f"{called} as their calls saw it, the rest stamped"
     return base.with_stamps(stamps, f"{len(others)} of other rows' real runs, {how}")
 
 
@@ -402,10 +399,10 @@ def row_moves(cost: AnyCostModel, row: Row, replay: list[tuple], sim_m: dict, by
 
 def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict], tolerance: dict,
                 calibration_gb_s: float, band_source: str = "", moves: dict[str, float] | None = None,
-                calibration_weights_gb_s: float = math.nan) -> list[dict]:
+                calibration_weights_gb_s: float = math.nan, source: str = "calls") -> list[dict]:
     """validation.csv's records of one row, one per metric."""
     used = counted(runs)
-    seen_gb_s = runs_gb_s(runs)
+    seen_gb_s = runs_gb_s(runs, source)
     weights = [r["weights_gb_s"] for r in used if r.get("weights_gb_s") is not None]  # none in older real_runs
     records = []
     for metric, read, kind in METRICS:
@@ -420,7 +417,7 @@ def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict]
                "sim": sim, "rel_error": err, "tolerance": tolerance[kind], "allowed": allowed, "ok": ok,
                "memory_gb_s": statistics.median(r["memory_gb_s"] for r in used), "runs_gb_s": seen_gb_s,
                "calibration_memory_gb_s": calibration_gb_s,
-               # the runs' own decode weights read slower than the calibration's: placement (MemoryStamp)
+               # the runs' and the calibration's own decode weights' read rates (MemoryStamp)
                "weights_gb_s": statistics.median(weights) if weights else math.nan,
                "calibration_weights_gb_s": calibration_weights_gb_s, "_real": real}
         if moves is not None:
@@ -456,7 +453,7 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
     physical = physical_model(cost)
     for r in runs:
         r["calls_gb_s"] = run_calls_gb_s(physical, r)
-        r["placed_gb_s"] = placed_gb_s(cost, r) if app.run_bandwidth == "weights" else None
+        r["placed_gb_s"] = placed_gb_s(cost, r)
     if not app.real_runs:  # fresh runs join this machine's history, for later calibrations' profiles
         threads = app.model.num_threads or cost.info.get("measured_on", {}).get("threads") or os.cpu_count()
         bandwidth_history.record(threads, [run_gb_s(r) for r in runs], "validate run")
@@ -477,11 +474,11 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
         if i == 0 and app.bands.replicates:
             print(f"  bands: {app.bands.replicates} replicates, each a residual per call and a {noise.describe()}"
                   + (" (this row's own runs left out)" if noise.memory_gb_s else ""), flush=True)
-        cost_row = row_cost(cost, mine, app.use_run_bandwidth)
+        cost_row = row_cost(cost, mine, app.use_run_bandwidth, app.run_bandwidth)
         sim_m, rep_m = simulate_row(cost_row, row, mine[0]["replay"], app.bands.replicates, app.bands.seed, noise)
         moves = row_moves(cost_row, row, mine[0]["replay"], sim_m, app.sensitivity) if app.sensitivity else None
         records += compare_row(row, mine, sim_m, rep_m, tolerance, calibration_gb_s, noise.describe(), moves,
-                               weights_read_gb_s(cost.info) or math.nan)
+                               weights_read_gb_s(cost.info) or math.nan, app.run_bandwidth)
         used = counted(mine)
         print(f"  {row.name:14s} {row.scheduler.name:10s} cap={row.scheduler.max_num_seqs}: real "
               f"{statistics.median(r['metrics']['output_throughput_tok_s'] for r in used):.2f} (median of {len(used)}) "

@@ -247,7 +247,8 @@ def test_validate_prices_a_row_at_the_bandwidth_its_runs_calls_saw():
 def test_validate_places_a_run_by_its_weights_stamp_over_the_calibrations():
     """run_bandwidth=weights: a run's bandwidth is the calibration's scaled by its decode weights'
     read rate over the calibration's (independent of its calls), before the calls' bandwidth;
-    where either side has no weights stamp (older profiles and runs) the calls' as before."""
+    where either side has no weights stamp (older profiles and runs) the calls' as before;
+    run_bandwidth=calls ignores the weights' stamps."""
     from experiments.validate import ValidateApp, placed_gb_s, row_cost
 
     tiny = ModelConfig(name="tiny", num_threads=1, device="cpu")
@@ -259,7 +260,8 @@ def test_validate_places_a_run_by_its_weights_stamp_over_the_calibrations():
     assert placed_gb_s(physical_model(PhysicalShape.of(model_shape(tiny), "float32"), Machine(30.0, 100.0)),
                        run) is None  # a profile from before the weights stamp
     placed = {**run, "placed_gb_s": placed_gb_s(cost, run)}
-    assert row_cost(cost, [placed], True).machine.memory_gb_s == pytest.approx(36.0)
-    assert row_cost(cost, [{**run, "placed_gb_s": None}], True).machine.memory_gb_s == 10.0  # the calls'
+    assert row_cost(cost, [placed], True, "weights").machine.memory_gb_s == pytest.approx(36.0)
+    assert row_cost(cost, [placed], True, "calls").machine.memory_gb_s == 10.0  # run_bandwidth=calls
+    assert row_cost(cost, [{**run, "placed_gb_s": None}], True, "weights").machine.memory_gb_s == 10.0  # no stamp
     with pytest.raises(ValueError, match="run_bandwidth must be weights or calls"):
         ValidateApp(run_bandwidth="stamps")

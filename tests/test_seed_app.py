@@ -41,8 +41,11 @@ def test_seed_app_on_tiny_model_writes_the_table_and_traces(tmp_path):
         assert (tmp_path / sim[name]["trace"]).is_file()
         # each side stamped with the memory bandwidth it ran at (the real run's, the calibration's)
         assert data[name]["memory_read_gb_s"] > 0 and sim[name]["memory_read_gb_s"] > 0
-        # and with the read rate of its own decode weights (where they landed in memory)
-        assert data[name]["weights_read_gb_s"] > 0 and sim[name]["weights_read_gb_s"] > 0
+        # and with the read rate of its own decode weights (where they landed in memory), where a
+        # one-row decode reads plain copies (oneDNN's packed ones are opaque: None, not a guess)
+        for side in (data[name], sim[name]):
+            assert side["weights_read_gb_s"] is None or side["weights_read_gb_s"] > 0
+        assert (data[name]["weights_read_gb_s"] is None) == (sim[name]["weights_read_gb_s"] is None)
     assert "real vs simulated" in out.stdout and "memory GB/s" in out.stdout and "weights GB/s" in out.stdout
     for png in ("seed_occupancy.png", "seed_active.png", "seed_latency_cdf.png"):
         assert (tmp_path / "report" / png).stat().st_size > 10_000

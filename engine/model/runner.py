@@ -88,11 +88,17 @@ class ModelRunner:
                 "argmax": self.greedy is not _torch_greedy}
 
     def decode_weights(self) -> list[torch.Tensor]:
-        """The weights a one-row decode call streams, as tensors that can be read (LeanQwen2's
-        chosen copies; elsewhere the model's parameters still held)."""
+        """The weights a one-row decode call streams, where they can be read as tensors (LeanQwen2's
+        chosen copies; on the stock layers their linears' weights unless oneDNN's packed copies
+        replaced them). Nothing on a GPU: where its memory lands is not the host's placement problem
+        this stamps (calibration.roofline.tensors_read_gb_s), and a sum per weight there would time
+        launches."""
+        if self.device.type != "cpu":
+            return []
         if self._lean is not None:
             return self._lean.decode_weights()
-        return [p for p in self.model.parameters() if not released(p)]
+        return [m.weight for m in self.model.modules()
+                if isinstance(m, torch.nn.Linear) and not released(m.weight)]
 
     @property
     def num_slots_used(self) -> int:
