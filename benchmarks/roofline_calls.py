@@ -26,8 +26,8 @@ import statistics
 import torch
 from calls import shape_plan
 
-from calibration.roofline import (BandwidthProbe, Machine, MemoryStamp, ModelShape, call_work, measure_matmul,
-                                  roofline_s)
+from calibration.roofline import (BandwidthProbe, Machine, ModelShape, call_work, fresh_like_gb_s, measure_matmul,
+                                  roofline_s, tensors_read_gb_s)
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.model.runner import ModelRunner
 from engine.core.plan import BatchPlan
@@ -90,11 +90,11 @@ def main() -> None:
 
         # the decode weights' own read rate beside a fresh buffer's of their dtype: on a VM a process's
         # weights can land in slower memory for its whole life, its decode calls with them (docs/architecture.md)
-        with MemoryStamp(runner.device, runner.decode_weights()) as placed:
-            pass
+        weights = runner.decode_weights()
+        placed = tensors_read_gb_s(weights, device=runner.device)
         print(f"\n{d}: this process's decode weights read at "
-              + ("n/a (not stamped)" if placed.weights_gb_s is None
-                 else f"{placed.weights_gb_s:.1f} GB/s, a fresh buffer of theirs at {placed.fresh_like:.1f}"),
+              + ("n/a (not stamped)" if placed is None else
+                 f"{placed:.1f} GB/s, a fresh buffer of theirs at {fresh_like_gb_s(weights, runner.device):.1f}"),
               flush=True)
         issue = ISSUE_MACHINE.get(d)
         print(f"{d}: {'shape':12s} {'meas ms':>8s} {'probe GB/s':>11s} {'GFLOP/s':>8s} {'roof ms':>8s} {'bound':>7s} "

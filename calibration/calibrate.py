@@ -24,7 +24,8 @@ from calibration.noise import noise_report
 from calibration.profiler import (IDLE_SHAPES, Measurement, Robustness, ShapePool, execute_uncontended, make_runner,
                                   measure_after_idle,
                                   measure_engine_runs, measure_shapes, threads_of)
-from calibration.roofline import MemoryStamp, ModelShape, measure_machine, memory_read_gb_s, roofline_s
+from calibration.roofline import (MemoryStamp, ModelShape, fresh_like_gb_s, measure_machine, memory_read_gb_s,
+                                  roofline_s)
 from engine.core.config import ModelConfig
 from engine.core.model_shape import model_shape
 from engine.model.device import describe, device_has_bf16 as bf16_native, resolve
@@ -176,7 +177,8 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     # with a time budget, what it leaves for measuring bounds the retries and extra rounds too
     robust = cfg.robust if plan.budget_s is None else replace(cfg.robust, budget_s=plan.budget_s)
     stamp = functools.partial(memory_read_gb_s, device=runner.device)  # fresh memory where the weights sit
-    with MemoryStamp(runner.device, runner.decode_weights()) as memory:
+    weights = runner.decode_weights()
+    with MemoryStamp(runner.device, weights) as memory:
         measurements, mlog = measure_shapes(pool, plan.shapes, plan.repeats, plan.warmups, cfg.seed,
                                             cfg.progress, robust, stamp)
         after_idle = measure_after_idle(pool, [s for s in IDLE_SHAPES if s.max_len <= max_len
@@ -184,6 +186,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
         pool.release()
         overhead, engine_calls = measure_engine_runs(runner, min(8, slots), cfg.overhead_runs)
         copy = measure_kv_copy(runner)
+    weights_fresh = fresh_like_gb_s(weights, runner.device)
     measurements += engine_calls
     machine = measure_machine(runner.model.dtype, device=runner.device)
     mshape = ModelShape.of(runner.model)
@@ -221,7 +224,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
         # the same way: the weights read slower where they landed in slow memory, this profile's decode
         # calls with them (calibration.report warns)
         "weights_read_gb_s": {"before": memory.weights_before, "after": memory.weights_after,
-                              "fresh": memory.fresh_like},
+                              "fresh": weights_fresh},
         "grid": {"name": cfg.grid, "spec": asdict(spec), "calls": len(plan.shapes), "budget": plan.to_dict(),
                  "engine_calls": sum(len(m.times_s) for m in engine_calls), "engine_shapes": len(engine_calls),
                  "repeats": cfg.repeats or spec.repeats, "warmup": cfg.warmup, "wall_s": wall,

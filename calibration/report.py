@@ -65,8 +65,9 @@ def weights_line(info: dict) -> str:
     weights = weights_read_gb_s(info)
     if weights is None:
         return "decode weights' own read rate not stamped (opaque packed copies, or not a CPU)"
-    stamp = info["weights_read_gb_s"]
-    fresh = stamp.get("fresh") or (info["memory_read_gb_s"]["before"] + info["memory_read_gb_s"]["after"]) / 2
+    fresh = info["weights_read_gb_s"].get("fresh")
+    if fresh is None:  # a profile stamped before the like-for-like buffer: no judgement
+        return f"decode weights read at {weights:.1f} GB/s"
     line = f"decode weights read at {weights:.1f} GB/s, a fresh buffer of theirs at {fresh:.1f}"
     if weights < SLOW_PLACEMENT * fresh:
         line += (f": the weights read {100 * (1 - weights / fresh):.0f}% slower than fresh memory, where they "

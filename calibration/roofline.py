@@ -141,28 +141,33 @@ def tensors_read_gb_s(tensors: Sequence[torch.Tensor], max_bytes: int = 512 << 2
         return nbytes / best_s(lambda: [t.sum() for t in sample], repeats, device) / 1e9
 
 
+def fresh_like_gb_s(tensors: Sequence[torch.Tensor], device: Device = "cpu") -> float | None:
+    """A fresh buffer of these tensors' dtype read as ``tensors_read_gb_s`` reads them, or None for
+    none: what a model's weights are judged against (a bf16 sum is slower than an fp32 one, so
+    judged against ``memory_read_gb_s`` bf16 weights would look misplaced)."""
+    import torch
+
+    if not tensors:
+        return None
+    like = tensors[0]
+    fresh = torch.ones(MEMORY_STAMP_BYTES // like.element_size(), dtype=like.dtype, device=device)
+    return tensors_read_gb_s([fresh], device=device)
+
+
 class MemoryStamp:
     """``with MemoryStamp(device, weights) as stamp: work`` — memory_read_gb_s just before and just
     after; given the weights the calls stream, also their own read rate before and after
-    (tensors_read_gb_s) and, once, a fresh buffer of their dtype read the same way (``fresh_like``:
-    what they are judged against, so a dtype's summing speed is not taken for slow memory)."""
+    (tensors_read_gb_s)."""
 
     def __init__(self, device: Device = "cpu", weights: Sequence[torch.Tensor] = ()) -> None:
         self.device = device
         self.weights = list(weights)
         self.weights_before: float | None = None
         self.weights_after: float | None = None
-        self.fresh_like: float | None = None
 
     def __enter__(self) -> MemoryStamp:
         self.before = memory_read_gb_s(device=self.device)
         self.weights_before = tensors_read_gb_s(self.weights, device=self.device)
-        if self.weights_before is not None:
-            import torch
-
-            fresh = torch.ones(MEMORY_STAMP_BYTES // self.weights[0].element_size(), dtype=self.weights[0].dtype,
-                               device=self.device)
-            self.fresh_like = tensors_read_gb_s([fresh], device=self.device)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -62,10 +62,10 @@ def test_memory_stamp_reads_the_weights_it_is_given(dtype):
     weights = [torch.ones(1 << 16, dtype=dtype), torch.ones(1 << 17, dtype=dtype)]
     with roofline.MemoryStamp("cpu", weights) as stamp:
         pass
-    assert stamp.gb_s > 0 and stamp.weights_gb_s > 0 and stamp.fresh_like > 0
+    assert stamp.gb_s > 0 and stamp.weights_gb_s > 0 and roofline.fresh_like_gb_s(weights) > 0
     with roofline.MemoryStamp("cpu", []) as plain:
         pass
-    assert plain.weights_gb_s is None and plain.fresh_like is None
+    assert plain.weights_gb_s is None and roofline.fresh_like_gb_s([]) is None
 
 
 def _info(fresh: float, weights: float | None) -> dict:
@@ -81,6 +81,8 @@ def test_report_warns_where_the_weights_read_slow():
     slow = weights_line(_info(20.0, 14.0))
     assert "30% slower than fresh memory" in slow and "calibrate again" in slow
     assert "not stamped" in weights_line(_info(20.0, None))
+    unjudged = weights_line(_info(None, 14.0))  # stamped before the like-for-like buffer: no judgement
+    assert "14.0 GB/s" in unjudged and "slower" not in unjudged
 
 
 def test_validate_rows_carry_the_runs_weights_stamp():
