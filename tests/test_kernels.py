@@ -135,7 +135,8 @@ def test_the_raw_ops_obey_the_features_the_engine_allows():
 
 
 def allow_the_engines_features() -> None:
-    torch.ops.miniserve.allow_cpu_features("avx2" in FEATURES, "avx512" in FEATURES, "avx512_bf16" in FEATURES)
+    torch.ops.miniserve.allow_cpu_features("avx2" in FEATURES, "avx512" in FEATURES, "avx512_bf16" in FEATURES,
+                                           "amx_bf16" in FEATURES)
 
 
 @needs("gemv", torch.float32)
@@ -213,11 +214,73 @@ def _case(x, w, bias=None, n=None, k=None):
     (lambda: _case(torch.randn(1, 8), torch.randn(4, 8), torch.randn(4).bfloat16()), "bias must be"),
     (lambda: _case(torch.randn(8), torch.randn(4, 8)), "2-D"),
     (lambda: (*_case(torch.randn(1, 8), torch.randn(4, 8)), 64, 3), "k_block must be even"),
+    (lambda: (*_case(torch.randn(1, 8), torch.randn(4, 8)), 64, 256, -128), "prefetch distances are bytes >= 0"),
+    (lambda: (*_case(torch.randn(1, 8), torch.randn(4, 8)), 64, 256, 0, 16384, False, -1), "amx_rows must be >= 0"),
 ])
 def test_bad_input_is_a_clear_error(make, message):
     kernels.gemv(torch.float32)  # built and registered
     with pytest.raises(RuntimeError, match=message):
         torch.ops.miniserve.gemv.default(*make())
+
+
+@needs("gemv", torch.float32)
+@settings(max_examples=20, deadline=None)
+@given(dtype=st.sampled_from([d for d, ok in EXPECTED.items() if ok] or [torch.float32]), rows=st.integers(1, 40),
+       k=st.integers(1, 200), n=st.integers(1, 100), seed=st.integers(0, 2**16))
+def test_how_the_weights_are_asked_for_changes_no_value(dtype, rows, k, n, seed):
+    """Each prefetch tuning dispatch.py may choose: where the weight stream is asked for, not what is summed."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+    panels, gemv = kernels.pack_panels(w), kernels.gemv(dtype)
+    base = gemv(x, panels, None, 64, 256, kernels.GemvTuning(prefetch_one=0, prefetch=0))
+    for tuning in dispatch.PREFETCH:
+        assert torch.equal(gemv(x, panels, None, 64, 256, tuning), base)
+
+
+NEEDS_AMX = needs("gemv_amx", torch.bfloat16)
+
+
+@NEEDS_AMX
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 150), k=st.integers(1, 300), n=st.integers(1, 120), bias=st.booleans(),
+       seed=st.integers(0, 2**16), block=st.sampled_from([8, 32, 64]))
+def test_the_gemv_on_amx_tiles_equals_the_exact_product_up_to_rounding(rows, k, n, bias, seed, block):
+    """Row counts off the 16-row tiles, K off the 32-wide ones and odd K take the tile path's edges."""
+    assert kernels.gemv_amx(torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    y = kernels.gemv(torch.bfloat16)(x, kernels.pack_panels(w), b, block, 256, kernels.GemvTuning(amx_rows=1))
+    ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    scale = x.double().abs() @ w.double().abs().T + (b.double().abs() if b is not None else 0)
+    assert y.shape == (rows, n) and ((y.double() - ref).abs() <= 1e-5 * scale + 2 ** -8 * ref.abs()).all()
+
+
+@NEEDS_AMX
+def test_the_tiles_run_from_amx_rows_on_and_the_vector_loop_below():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(200, 640, generator=g).bfloat16()
+    panels, gemv = kernels.pack_panels(w), kernels.gemv(torch.bfloat16)
+    for rows in (3, 4, 5, 40):
+        x = torch.randn(rows, 640, generator=g).bfloat16()
+        tiles = gemv(x, panels, None, 64, 256, kernels.GemvTuning(amx_rows=1))
+        vector = gemv(x, panels, None, 64, 256, kernels.GemvTuning(amx_rows=0))
+        got = gemv(x, panels, None, 64, 256, kernels.GemvTuning(amx_rows=5))
+        assert torch.equal(got, tiles if rows >= 5 else vector)
+
+
+@NEEDS_AMX
+def test_a_mask_without_amx_turns_the_tiles_off_with_a_clear_error():
+    x, w = torch.randn(2, 64).bfloat16(), torch.randn(32, 64).bfloat16()
+    try:
+        torch.ops.miniserve.allow_cpu_features(True, True, True, False)
+        assert not torch.ops.miniserve.gemv_amx_supported()
+        with pytest.raises(RuntimeError, match="no AMX bf16 tiles"):
+            kernels.gemv(torch.bfloat16)(x, kernels.pack_panels(w), None, 64, 256, kernels.GemvTuning(amx_rows=1))
+    finally:
+        allow_the_engines_features()
+    assert torch.ops.miniserve.gemv_amx_supported()
+    assert not kernels.can_run("gemv_amx", torch.bfloat16, parse_mask("avx512,avx512_bf16"))
 
 
 def test_the_kernel_can_be_switched_off_and_is_not_built_without_avx2(monkeypatch, caplog):

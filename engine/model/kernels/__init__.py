@@ -1,8 +1,9 @@
 """The engine's own CPU kernels, compiled once per machine at first use.
 
-- ``gemv(dtype)`` (gemv.cpp): a function (x, Panels, bias, row_block, k_block) -> y, made for decode-sized
-  linears (it reads the weights at memory speed); ``pack_panels`` lays a weight out for it,
-  ``panel_rows`` reads rows of it back (a tied embedding).
+- ``gemv(dtype)`` (gemv.cpp): a function (x, Panels, bias, row_block, k_block, GemvTuning) -> y, made for
+  decode-sized linears (it reads the weights at memory speed); ``pack_panels`` lays a weight out for it,
+  ``panel_rows`` reads rows of it back (a tied embedding); ``gemv_amx(dtype)`` says whether it can
+  run on AMX tiles here (bf16).
 - ``decode_attention(dtype, head_dim)`` (decode_attention.cpp): rows of one query each against
   keys 0..len-1 of their own KV slot, in one call: a step's decodes and every token of its prefill
   chunks alike.
@@ -62,6 +63,7 @@ log = logging.getLogger("miniserve.kernels")
 # docs/architecture.md).
 NEEDS: dict[str, dict[torch.dtype, frozenset[str]]] = {
     "gemv": {torch.float32: frozenset({"avx2"}), torch.bfloat16: frozenset({"avx512", "avx512_bf16"})},
+    "gemv_amx": {torch.bfloat16: frozenset({"avx512", "avx512_bf16", "amx_bf16"})},  # the bf16 gemv on tiles
     "decode_attention": {torch.float32: frozenset({"avx2"}), torch.bfloat16: frozenset({"avx512"})},
     "layer_ops": {torch.float32: frozenset({"avx2"}), torch.bfloat16: frozenset({"avx512"})},
     "argmax": {torch.float32: frozenset({"avx512"}), torch.bfloat16: frozenset({"avx512"})},
@@ -79,6 +81,18 @@ def can_run(op: str, dtype: torch.dtype, features: frozenset[str] | None = None)
     built (``MINISERVE_KERNELS=0``, no compiler)."""
     need = NEEDS[op].get(dtype)
     return need is not None and need <= (cpu_features() if features is None else features)
+
+
+@dataclass(frozen=True)
+class GemvTuning:
+    """How the gemv runs on this machine (dispatch.py measures it): how far ahead of its arithmetic a
+    one-row and a several-row product ask for the weights (bytes; 0 leaves it to the hardware
+    prefetcher), into L2 or L1, and from how many rows a bf16 product runs on AMX tiles (0: never)."""
+
+    prefetch_one: int = 0
+    prefetch: int = 16 << 10
+    prefetch_l2: bool = False
+    amx_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -218,7 +232,8 @@ def _load() -> bool:
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
         return False
     # the raw ops' *_supported checks see the masked features, as the engine does
-    torch.ops.miniserve.allow_cpu_features("avx2" in features, "avx512" in features, "avx512_bf16" in features)
+    torch.ops.miniserve.allow_cpu_features("avx2" in features, "avx512" in features, "avx512_bf16" in features,
+                                           "amx_bf16" in features)
     return True
 
 
@@ -241,10 +256,20 @@ def gemv(dtype: torch.dtype):
     op = torch.ops.miniserve.gemv.default
 
     def run(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None, row_block: int = 64,
-            k_block: int = 256) -> torch.Tensor:
-        return op(x, panels.data, bias, panels.n, panels.k, row_block, k_block)
+            k_block: int = 256, tuning: GemvTuning = GemvTuning()) -> torch.Tensor:
+        return op(x, panels.data, bias, panels.n, panels.k, row_block, k_block, tuning.prefetch_one,
+                  tuning.prefetch, tuning.prefetch_l2, tuning.amx_rows)
 
     return run
+
+
+@functools.cache
+def gemv_amx(dtype: torch.dtype) -> bool:
+    """Whether the gemv can run ``dtype`` on AMX tiles here (bf16, a CPU with AMX as masked, and a
+    Linux that grants the process the tiles' state)."""
+    if dtype != torch.bfloat16 or gemv(dtype) is None or not can_run("gemv_amx", dtype):
+        return False
+    return bool(torch.ops.miniserve.gemv_amx_supported())
 
 
 @functools.cache

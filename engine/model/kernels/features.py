@@ -25,7 +25,7 @@ FLAGS = {
     "avx2": {"avx2", "fma"},
     "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},  # torch's "AVX512" capability
     "avx512_bf16": {"avx512_bf16"},  # bf16 dot products (vdpbf16ps): gemv's bf16 kernel
-    "amx_bf16": {"amx_bf16", "amx_tile"},  # bf16 tiles: oneDNN's bf16 matmuls
+    "amx_bf16": {"amx_bf16", "amx_tile"},  # bf16 tiles: oneDNN's bf16 matmuls and the gemv's tile path
 }
 IMPLIES = {"avx2": set(), "avx512": {"avx2"}, "avx512_bf16": {"avx512", "avx2"}, "amx_bf16": {"avx512", "avx2"}}
 FEATURES = tuple(FLAGS)

@@ -21,6 +21,11 @@
 // On a CPU with AVX2 but no AVX-512 the fp32 product runs the same scheme in 256-bit vectors
 // (panel_f32_avx2): same panels, same FMA chain per output in k order, so the same values.
 //
+// On a CPU with AMX (bf16 tiles) the bf16 product can run on the tiles instead (run_panels_amx),
+// from `amx_rows` rows on: the bf16 panels are AMX's weight layout as they are, so nothing is
+// packed again. Where that pays, and how far ahead of the arithmetic the weight stream is asked
+// for (`prefetch_bytes`, into L1 or L2), is measured per machine (engine/model/kernels/dispatch.py).
+//
 // Built at first use by engine/kernels/__init__.py (torch.utils.cpp_extension). The kernels are
 // compiled with target attributes and only run where the CPU has what they need
 // (miniserve::gemv_supported: AVX-512 for both dtypes, or AVX2 for fp32); elsewhere the engine
@@ -37,6 +42,9 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "simd.h"
 
@@ -61,6 +69,7 @@ bool cpu_has(bool bf16) {  // bf16 also needs AVX512-BF16's dot products; fp32 r
 // next k block, spread over the call so that memory works while the arithmetic runs.
 struct Prefetch {
   int64_t ahead = 0;
+  bool to_l2 = false;  // `ahead`'s requests fill L2 (T1) rather than L1 (T0)
   const char* next = nullptr;
   const char* end = nullptr;
   int64_t every = 1;
@@ -68,9 +77,14 @@ struct Prefetch {
 constexpr int64_t kStepBytes = 128;
 
 // SSE's prefetch: every x86-64 CPU has it, so both the AVX-512 and the AVX2 loops inline it
-inline void prefetch_step(const char* p) {
-  _mm_prefetch(p, _MM_HINT_T0);
-  _mm_prefetch(p + 64, _MM_HINT_T0);
+inline void prefetch_step(const char* p, bool to_l2 = false) {
+  if (to_l2) {
+    _mm_prefetch(p, _MM_HINT_T1);
+    _mm_prefetch(p + 64, _MM_HINT_T1);
+  } else {
+    _mm_prefetch(p, _MM_HINT_T0);
+    _mm_prefetch(p + 64, _MM_HINT_T0);
+  }
 }
 
 // One block of M rows times one panel over the weights' k range [k0, k1): the running sums come
@@ -93,7 +107,7 @@ MINISERVE_TARGET void panel_f32(const float* x, int64_t K, const float* w, int64
       pf.next += kStepBytes;
     }
     for (; k < run_end; ++k) {
-      if (!Spread && pf.ahead) prefetch_step(reinterpret_cast<const char*>(w + (k + pf.ahead) * kPanel));
+      if (!Spread && pf.ahead) prefetch_step(reinterpret_cast<const char*>(w + (k + pf.ahead) * kPanel), pf.to_l2);
       const __m512 w0 = _mm512_loadu_ps(w + k * kPanel), w1 = _mm512_loadu_ps(w + k * kPanel + 16);
       for (int m = 0; m < M; ++m) {
         const __m512 xb = _mm512_set1_ps(x[m * K + k]);
@@ -138,7 +152,9 @@ MINISERVE_TARGET_AVX2 inline void rows_f32_avx2(const float* x, int64_t K, const
       pf->next += kStepBytes;
     }
     for (; k < run_end; ++k) {
-      if (!Spread && pf && pf->ahead) prefetch_step(reinterpret_cast<const char*>(w + (k + pf->ahead) * kPanel));
+      if (!Spread && pf && pf->ahead) {
+        prefetch_step(reinterpret_cast<const char*>(w + (k + pf->ahead) * kPanel), pf->to_l2);
+      }
       __m256 wv[H];
 #pragma GCC unroll 4
       for (int j = 0; j < H; ++j) wv[j] = _mm256_loadu_ps(w + k * kPanel + col + 8 * j);
@@ -197,7 +213,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16"))) voi
       pf.next += kStepBytes;
     }
     for (; kk < run_end; ++kk) {
-      if (!Spread && pf.ahead) prefetch_step(reinterpret_cast<const char*>(w + (kk + pf.ahead) * kPanel * 2));
+      if (!Spread && pf.ahead) {
+        prefetch_step(reinterpret_cast<const char*>(w + (kk + pf.ahead) * kPanel * 2), pf.to_l2);
+      }
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + kk * kPanel * 2);
       const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kk * kPanel * 2 + 32);
       for (int m = 0; m < M; ++m) {
@@ -276,8 +294,9 @@ void for_chunks(int64_t M, int64_t row_block, Fn&& fn) {
 
 // Each thread takes a contiguous run of panels: one forward stream of weights. Up to BlockRows
 // rows (8; AVX2's 6) a panel is multiplied in one sweep of K while its weights stream from memory,
-// each k step asking for the weights kStreamAhead bytes on (past 1 row: the hardware prefetcher
-// alone keeps up with one row's arithmetic, not with eight's). Past BlockRows, K is cut into
+// each k step asking for the weights `stream.ahead` steps on, into L1 or L2 (`stream.to_l2`; 0
+// leaves it to the hardware prefetcher): how far and where differs between CPUs, so dispatch.py
+// measures it (docs/architecture.md). Past BlockRows, K is cut into
 // blocks of `block_steps` k steps (k pairs in bf16; dispatch.k_block sizes them to two thirds of
 // the L1 cache, AVX2's fp32 rounds that down to whole sub-blocks): every BlockRows-row block of
 // the row_block rows multiplies a k block in turn while it sits in cache, so the weights come
@@ -288,11 +307,9 @@ void for_chunks(int64_t M, int64_t row_block, Fn&& fn) {
 // plus three quarters of the FLOPs; asking for the whole next block in each pass, or in the first
 // one, sent the requests out in bursts and pushed this block out of the L1 before its later
 // passes: 0.93x (fp32) and 0.94x (bf16) the time of that at 32 rows, docs/architecture.md).
-constexpr int64_t kStreamAhead = 16 << 10;
-
 template <int64_t BlockRows, typename T, typename Kernel, typename Finish>
 void run_panels(const T* xp, const T* wpp, const T* bp, T* yp, int64_t M, int64_t N, int64_t K, int64_t steps,
-                int64_t block_steps, int64_t row_block, Kernel&& kernel, Finish&& finish) {
+                int64_t block_steps, int64_t row_block, Prefetch stream, Kernel&& kernel, Finish&& finish) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const int64_t grain = std::max<int64_t>(1, panels / std::max(1, at::get_num_threads()));
   const int64_t step_elems = kPanel * (sizeof(T) == 2 ? 2 : 1), panel_elems = steps * step_elems;
@@ -304,8 +321,6 @@ void run_panels(const T* xp, const T* wpp, const T* bp, T* yp, int64_t M, int64_
     const int64_t passes = (rows + BlockRows - 1) / BlockRows;
     at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
       std::vector<float> part(rows * kPanel);  // the running sums of one panel's outputs
-      Prefetch stream;
-      stream.ahead = rows > 1 ? kStreamAhead / kStepBytes : 0;
       for (int64_t p = p0; p < p1; ++p) {
         const T* w = wpp + p * panel_elems;
         for (int64_t s0 = 0; s0 < steps; s0 += block) {
@@ -345,6 +360,133 @@ void run_panels(const T* xp, const T* wpp, const T* bp, T* yp, int64_t M, int64_
   });
 }
 
+// ---- AMX: the bf16 product on tiles ----------------------------------------------------------
+// The bf16 panels are AMX's weight (B) layout as they are: a k pair of a panel is 32 outputs × 2
+// bf16 = 128 bytes, so 16 k pairs × 16 outputs is a B tile at a 128-byte stride, and the panel's
+// other 16 outputs the same tile 64 bytes on. x's rows are the A tiles (16 rows × 16 k pairs at K's
+// stride). Each output's sum is fp32 in k-pair order, as panel_bf16's (the two products of a pair
+// may be added in the other order, so a value can differ from panel_bf16's in its last bit).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_permitted() {  // Linux hands a process the tiles' state only on request
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+bool cpu_has_amx() {
+  __builtin_cpu_init();
+  return cpu_has_avx512_bf16() && allow_amx_bf16().load(std::memory_order_relaxed) &&
+         __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted();
+}
+
+// Tiles 0-3 hold the sums (row block b, panel half h: tile 2b + h; 16 rows × 16 fp32), 4-5 x's
+// rows (row block b: tile 4 + b), 6-7 the panel's halves. `rows` < 16 shapes row block 0's tiles
+// for a last, short block of rows.
+__attribute__((target("amx-tile"))) void amx_configure(int rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = (t == 0 || t == 1 || t == 4) ? rows : 16;
+  }
+  // not _tile_loadconfig: GCC 12's tells the compiler it reads 8 bytes, and the stores of the rest
+  // of the configuration were dropped (a #GP at ldtilecfg)
+  asm volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
+__attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
+
+// RB row blocks × a panel's 32 outputs over k pairs [0, kk_end) (a multiple of 16): the sums go to
+// `part` (rows × 32 fp32). `ahead`, when set, is asked for meanwhile, 2 KB (16 k pairs) per step.
+template <int RB>
+__attribute__((target("amx-tile,amx-bf16"))) void panel_amx(const uint16_t* x, int64_t K, const uint16_t* w,
+                                                           int64_t kk_end, float* part, const char* ahead,
+                                                           bool to_l2) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (RB == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t xstride = K * 2;
+  for (int64_t kk = 0; kk < kk_end; kk += 16) {
+    if (ahead) {
+      for (int64_t b = 0; b < 16 * kStepBytes; b += kStepBytes) prefetch_step(ahead + kk * kStepBytes + b, to_l2);
+    }
+    _tile_loadd(6, w + kk * kPanel * 2, kStepBytes);
+    _tile_loadd(7, w + kk * kPanel * 2 + 32, kStepBytes);
+    _tile_loadd(4, x + 2 * kk, xstride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RB == 2) {
+      _tile_loadd(5, x + 16 * K + 2 * kk, xstride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, part, kStepBytes);
+  _tile_stored(1, part + 16, kStepBytes);
+  if constexpr (RB == 2) {
+    _tile_stored(2, part + 16 * kPanel, kStepBytes);
+    _tile_stored(3, part + 16 * kPanel + 16, kStepBytes);
+  }
+}
+
+// Each thread takes a run of panels, row_block rows at a time (whole 32s); every row block sweeps
+// a panel's whole K (blocks of K that stay in L1, as the vector loop takes them, were slower here:
+// the sums' tiles then go to memory and back between blocks; docs/architecture.md): pairs of 16-row blocks (each weight tile used twice, each x tile twice), a last
+// 16-row block, then the rows past the last 16 with their own tile shape; the first row block asks
+// for the weights `stream.ahead` k pairs on. What the tiles do not cover (an odd K's last pair, the
+// k pairs past the last 16) panel_bf16 adds to the tiles' sums.
+void run_panels_amx(const uint16_t* xp, const uint16_t* wpp, const uint16_t* bp, uint16_t* yp, int64_t M, int64_t N,
+                    int64_t K, int64_t row_block, Prefetch stream) {
+  const int64_t panels = (N + kPanel - 1) / kPanel, pairs = (K + 1) / 2, kk_tiles = K / 2 / 16 * 16;
+  const int64_t grain = std::max<int64_t>(1, panels / std::max(1, at::get_num_threads()));
+  const int64_t panel_elems = pairs * kPanel * 2, block = std::max<int64_t>(32, row_block / 32 * 32);
+  for (int64_t r0 = 0; r0 < M; r0 += block) {
+    const int64_t r1 = std::min(M, r0 + block), rows = r1 - r0, full = rows / 16 * 16, tail = rows - full;
+    at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+      std::vector<float> part(rows * kPanel);
+      int shape = 0;  // the rows the tiles are configured for (0: not yet)
+      auto configure = [&](int r) {
+        if (shape != r) amx_configure(r);
+        shape = r;
+      };
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint16_t* w = wpp + p * panel_elems;
+        float* sums = part.data();
+        if (kk_tiles) {
+          const char* ahead = stream.ahead ? reinterpret_cast<const char*>(w) + stream.ahead * kStepBytes : nullptr;
+          if (full) configure(16);
+          int64_t r = 0;
+          for (; r + 32 <= full; r += 32, ahead = nullptr) {
+            panel_amx<2>(xp + (r0 + r) * K, K, w, kk_tiles, sums + r * kPanel, ahead, stream.to_l2);
+          }
+          if (r < full) {
+            panel_amx<1>(xp + (r0 + r) * K, K, w, kk_tiles, sums + r * kPanel, ahead, stream.to_l2);
+            ahead = nullptr;
+          }
+          if (tail) {
+            configure(static_cast<int>(tail));
+            panel_amx<1>(xp + (r0 + full) * K, K, w, kk_tiles, sums + full * kPanel, ahead, stream.to_l2);
+          }
+        }
+        for (int64_t r = 0; kk_tiles < pairs && r < rows; r += kBlockRows) {  // the k pairs the tiles left
+          for_rows(std::min<int64_t>(kBlockRows, rows - r), [&](auto m) {
+            panel_bf16<decltype(m)::value, false>(xp + (r0 + r) * K, K, w, kk_tiles, pairs, sums + r * kPanel,
+                                                  Prefetch{});
+          });
+        }
+        finish_panel<uint16_t>(sums, rows, bp, yp + r0 * N, p, N);
+      }
+      if (shape) amx_release();
+    });
+  }
+}
+
 #endif  // MINISERVE_X86
 
 bool gemv_supported(at::ScalarType dtype) {
@@ -355,8 +497,20 @@ bool gemv_supported(at::ScalarType dtype) {
   return false;
 }
 
+bool gemv_amx_supported() {
+#ifdef MINISERVE_X86
+  return cpu_has_amx();
+#endif
+  return false;
+}
+
+// prefetch_one / prefetch: how far ahead (bytes) a one-row / a several-row product asks for the
+// weight stream (0: not at all), into L2 when prefetch_l2 else L1; amx_rows: from how many rows a
+// bf16 product runs on AMX tiles (0: never; fp32 has no tile path). dispatch.py measures all three
+// per machine.
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias, int64_t N,
-               int64_t K, int64_t row_block, int64_t k_block) {
+               int64_t K, int64_t row_block, int64_t k_block, int64_t prefetch_one, int64_t prefetch,
+               bool prefetch_l2, int64_t amx_rows) {
   TORCH_CHECK(gemv_supported(x.scalar_type()), "miniserve::gemv: no kernel for ", x.scalar_type(), " on this CPU");
   TORCH_CHECK(x.dim() == 2, "miniserve::gemv: x must be 2-D (rows, K)");
   TORCH_CHECK(x.is_contiguous() && wp.is_contiguous(), "miniserve::gemv: x and the panels must be contiguous");
@@ -373,6 +527,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
   TORCH_CHECK(row_block >= kBlockRows && row_block % kBlockRows == 0, "miniserve::gemv: row_block must be a ",
               "multiple of ", kBlockRows, ", got ", row_block);
   TORCH_CHECK(k_block >= 2 && k_block % 2 == 0, "miniserve::gemv: k_block must be even and at least 2, got ", k_block);
+  TORCH_CHECK(prefetch_one >= 0 && prefetch >= 0, "miniserve::gemv: prefetch distances are bytes >= 0, got ",
+              prefetch_one, " and ", prefetch);
+  TORCH_CHECK(amx_rows >= 0, "miniserve::gemv: amx_rows must be >= 0 (0: never), got ", amx_rows);
+  TORCH_CHECK(amx_rows == 0 || gemv_amx_supported(), "miniserve::gemv: amx_rows=", amx_rows,
+              " but this CPU (as allowed) has no AMX bf16 tiles");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
@@ -381,9 +540,13 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
   }
   at::Tensor y = at::empty({M, N}, x.options());
 #ifdef MINISERVE_X86
+  Prefetch stream;
+  stream.ahead = (M > 1 ? prefetch : prefetch_one) / kStepBytes;
+  stream.to_l2 = prefetch_l2;
+  auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); };
   if (!bf16 && cpu_has_avx512()) {
     run_panels<kBlockRows>(x.data_ptr<float>(), wp.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr,
-               y.data_ptr<float>(), M, N, K, K, k_block, row_block,
+               y.data_ptr<float>(), M, N, K, K, k_block, row_block, stream,
                [](auto rows, auto spread, auto&&... args) {
                  panel_f32<decltype(rows)::value, decltype(spread)::value>(args...);
                },
@@ -395,16 +558,17 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
     // (docs/architecture.md has the figures)
     const int64_t avx2_block = std::max(kSubSteps, k_block / kSubSteps * kSubSteps);
     run_panels<kBlockRowsAvx2>(x.data_ptr<float>(), wp.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr,
-               y.data_ptr<float>(), M, N, K, K, avx2_block, row_block,
+               y.data_ptr<float>(), M, N, K, K, avx2_block, row_block, stream,
                [](auto rows, auto spread, auto&&... args) {
                  panel_f32_avx2<decltype(rows)::value, decltype(spread)::value>(args...);
                },
                [](auto&&... args) { finish_panel_avx2(args...); });
+  } else if (amx_rows && M >= amx_rows) {
+    run_panels_amx(bits(x), bits(wp), has_bias ? bits(*bias) : nullptr, bits(y), M, N, K, row_block, stream);
   } else {
-    auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); };
     run_panels<kBlockRows>(static_cast<const uint16_t*>(bits(x)), static_cast<const uint16_t*>(bits(wp)),
                has_bias ? static_cast<const uint16_t*>(bits(*bias)) : nullptr, bits(y), M, N, K, (K + 1) / 2,
-               (k_block + 1) / 2, row_block,
+               (k_block + 1) / 2, row_block, stream,
                [](auto rows, auto spread, auto&&... args) {
                  panel_bf16<decltype(rows)::value, decltype(spread)::value>(args...);
                },
@@ -416,20 +580,23 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
 
 // The features the engine allows every kernel (MINISERVE_CPU_FEATURES): a masked one is absent to
 // each *_supported check, as it is to the engine.
-void allow_cpu_features(bool avx2, bool avx512, bool avx512_bf16) {
+void allow_cpu_features(bool avx2, bool avx512, bool avx512_bf16, bool amx_bf16) {
 #ifdef MINISERVE_X86
   miniserve_simd::allow_avx2().store(avx2);
   miniserve_simd::allow_avx512().store(avx512);
   miniserve_simd::allow_avx512_bf16().store(avx512_bf16);
+  miniserve_simd::allow_amx_bf16().store(amx_bf16);
 #endif
 }
 
 }  // namespace
 
 TORCH_LIBRARY(miniserve, m) {
-  m.def("gemv(Tensor x, Tensor panels, Tensor? bias, int N, int K, int row_block=64, int k_block=256) -> Tensor");
+  m.def("gemv(Tensor x, Tensor panels, Tensor? bias, int N, int K, int row_block=64, int k_block=256, "
+        "int prefetch_one=0, int prefetch=16384, bool prefetch_l2=False, int amx_rows=0) -> Tensor");
   m.def("gemv_supported(ScalarType dtype) -> bool", &gemv_supported);
-  m.def("allow_cpu_features(bool avx2, bool avx512, bool avx512_bf16) -> ()", &allow_cpu_features);
+  m.def("gemv_amx_supported() -> bool", &gemv_amx_supported);
+  m.def("allow_cpu_features(bool avx2, bool avx512, bool avx512_bf16, bool amx_bf16=False) -> ()", &allow_cpu_features);
 }
 
 TORCH_LIBRARY_IMPL(miniserve, CPU, m) { m.impl("gemv", &gemv); }

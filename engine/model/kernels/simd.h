@@ -33,6 +33,10 @@ inline std::atomic<bool>& allow_avx512_bf16() {
   return allowed;
 }
 
+inline std::atomic<bool>& allow_amx_bf16() {
+  static std::atomic<bool> allowed{true};
+  return allowed;
+}
 inline bool cpu_has_avx2() {
   __builtin_cpu_init();
   return allow_avx2().load(std::memory_order_relaxed) && __builtin_cpu_supports("avx2") &&
