@@ -3,11 +3,13 @@
 again, and ``MINISERVE_DISPATCH`` forces a candidate or is refused."""
 
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
 
-from engine.model.kernels import dispatch
+from engine.model import kernels
+from engine.model.kernels import GemvTuning, dispatch
 
 CLASSES = dispatch.ROW_CLASSES
 
@@ -104,13 +106,13 @@ def test_a_cached_choice_that_cannot_run_here_now_is_measured_again(tmp_path, mo
 
 def test_forcing_a_candidate(monkeypatch):
     monkeypatch.setenv(dispatch.FORCE_ENV, "linear=torch,attention=sdpa")
-    assert dispatch.forced("linear", dispatch.LINEAR) == "torch"
-    assert dispatch.forced("attention", dispatch.ATTENTION) == "sdpa"
+    assert dispatch.forced("linear") == "torch"
+    assert dispatch.forced("attention") == "sdpa"
     t = dispatch.Table({}, {"float32": ["gemv"] * len(CLASSES)}, {"float32": "kernel"})
     assert t.linear_choices(torch.float32) == ["torch"] * len(CLASSES) and t.attention_choice(torch.float32) == "sdpa"
     monkeypatch.setenv(dispatch.FORCE_ENV, "linear=cublas")
     with pytest.raises(ValueError, match="linear=gemv|onednn|torch"):
-        dispatch.forced("linear", dispatch.LINEAR)
+        dispatch.forced("linear")
 
 
 def _timings(winner: str) -> dict[int, dict[str, float]]:
@@ -135,16 +137,58 @@ def test_choices_are_kept_only_when_two_measurements_agree():
 def test_an_unsettled_measurement_is_used_but_not_cached(monkeypatch):
     winners = iter(["torch", "gemv", "onednn"])
     monkeypatch.setattr(dispatch, "linear_candidates", lambda dtype: ["gemv", "onednn", "torch"])
-    monkeypatch.setattr(dispatch, "measure_linear", lambda dtype: _timings(next(winners)))
+    monkeypatch.setattr(dispatch, "measure_linear", lambda *args: _timings(next(winners)))
+    monkeypatch.setattr(dispatch.ProbeWeights, "build", lambda dtype, candidates: None)
+    monkeypatch.setattr(dispatch, "tune_gemv", lambda dtype, probe: (dispatch.PREFETCH[1], {}))
     table = dispatch.Table(dispatch.machine_key())
     assert dispatch.measure(torch.float32, table) is False  # table() then does not save it
     assert len(table.linear["float32"]) == len(dispatch.ROW_CLASSES)
     assert next(winners, None) is None  # measured three times
+    assert table.gemv["float32"] == {**asdict(dispatch.PREFETCH[1]), "amx_rows": 0}  # the tuning it measured
 
 
 def test_a_lone_candidate_is_taken_without_timing(monkeypatch):
     """A torch without oneDNN on a CPU without the kernels (macOS arm64) has only F.linear."""
     monkeypatch.setattr(dispatch, "linear_candidates", lambda dtype: ["torch"])
-    monkeypatch.setattr(dispatch, "measure_linear", lambda dtype: pytest.fail("timed a choice of one"))
+    monkeypatch.setattr(dispatch, "measure_linear", lambda *args: pytest.fail("timed a choice of one"))
     table = dispatch.Table(dispatch.machine_key())
     assert dispatch.measure(torch.float32, table) and table.linear["float32"] == ["torch"] * len(CLASSES)
+
+
+def _with_amx(faster_from: set[int]) -> dict[int, dict[str, float]]:
+    """Fake timings where the gemv on tiles beats its vector loop at the row classes given."""
+    return {r: {"gemv": 1.0 * r, "gemv_amx": (0.5 if r in faster_from else 2.0) * r, "onednn": 0.9 * r}
+            for r in CLASSES}
+
+
+def test_the_tiles_take_over_from_the_row_class_where_they_win_every_larger_one():
+    rows, folded = dispatch.fold_amx(_with_amx({r for r in CLASSES if r >= 16}))
+    assert rows == 16
+    assert all(folded[r]["gemv"] == (0.5 if r >= 16 else 1.0) * r and "gemv_amx" not in folded[r] for r in CLASSES)
+    # a loss at 64 rows: the tiles only from 128, though they won 16 and 32 (one threshold, not a patchwork)
+    assert dispatch.fold_amx(_with_amx({16, 32, 128, 256, 512}))[0] == 128
+    assert dispatch.fold_amx(_with_amx(set(CLASSES) - {512}))[0] == 0  # losing at the largest: never
+    assert dispatch.fold_amx(_with_amx(set(CLASSES)))[0] == 1
+    plain = {r: {"gemv": 1.0, "onednn": 2.0} for r in CLASSES}
+    assert dispatch.fold_amx(plain) == (0, plain)  # no tiles here: nothing to fold
+
+
+def test_forcing_the_tiles_on_or_off(monkeypatch):
+    t = dispatch.Table({}, gemv={"bfloat16": {"amx_rows": 16, "prefetch_one": 0, "prefetch": 8192,
+                                              "prefetch_l2": True}})
+    assert t.gemv_tuning(torch.bfloat16) == GemvTuning(0, 8192, True, 16)
+    monkeypatch.setenv(dispatch.FORCE_ENV, "amx=off")
+    assert t.gemv_tuning(torch.bfloat16) == GemvTuning(0, 8192, True, 0)
+    monkeypatch.setenv(dispatch.FORCE_ENV, "amx=on")
+    if kernels.gemv_amx(torch.bfloat16):
+        assert t.gemv_tuning(torch.bfloat16).amx_rows == 1
+    else:
+        with pytest.raises(ValueError, match="amx=on"):
+            t.gemv_tuning(torch.bfloat16)
+    with pytest.raises(ValueError, match="amx=on"):  # no fp32 tiles anywhere
+        t.gemv_tuning(torch.float32)
+    monkeypatch.setenv(dispatch.FORCE_ENV, "amx=maybe")
+    with pytest.raises(ValueError, match="amx=on|off"):
+        dispatch.forced("amx")
+    monkeypatch.delenv(dispatch.FORCE_ENV)
+    assert dispatch.Table({}).gemv_tuning(torch.float32) == GemvTuning()  # a table without a tuning: the defaults

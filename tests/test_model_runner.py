@@ -114,6 +114,31 @@ def test_bf16_runs_and_stays_close_to_fp32_reference():
     assert sum(r.num_output_tokens for r in state.finished) == sum(r.max_tokens for r in mixed_requests(512))
 
 
+@pytest.mark.skipif(not engine_kernels.gemv_amx(torch.bfloat16), reason="the gemv's AMX tiles need a CPU with AMX-BF16 (as masked)")
+def test_bf16_steps_on_amx_tiles_match_the_vector_gemv(monkeypatch):
+    """The same mixed steps with the gemv forced onto AMX tiles and off them: one model, bf16
+    rounding apart (the tiles may add a k pair's two products in the other order)."""
+    config = SchedulerConfig(name="continuous", max_num_seqs=4, max_num_batched_tokens=48,
+                             long_prefill_token_threshold=20)
+    logits = {}
+    for amx in ("on", "off"):
+        monkeypatch.setenv(dispatch.FORCE_ENV, f"linear=gemv,amx={amx}")
+        runner = ModelRunner(ModelConfig(name="tiny", dtype="bfloat16"), config)
+        assert runner._lean.gemv_tuning.amx_rows == (1 if amx == "on" else 0)
+        state, scheduler, logits[amx] = ServingState(config), make_scheduler(config), []
+        for r in mixed_requests(512):
+            state.add(r)
+        while state.has_unfinished:
+            plan = scheduler.schedule(state)
+            result, step_logits = runner.execute(plan, state.requests, return_logits=True)
+            logits[amx].append(step_logits.float())
+            tokens = [2] * len(result.token_ids)  # the same tokens (not EOS) in both runs: the same steps
+            runner.free(r.request_id for r in state.apply(plan, tokens, 0.0, 0.0))
+    assert len(logits["on"]) == len(logits["off"])
+    for on, off in zip(logits["on"], logits["off"]):
+        assert on.shape == off.shape and (on - off).abs().max() <= 0.05 * off.abs().max()
+
+
 def test_bf16_runs_on_a_cpu_without_avx512():
     """An AVX2-only CPU (masked here, in a fresh process: kernel loads are cached per process) has
     none of our bf16 kernels (only fp32 ones have AVX2 forms), and oneDNN's bf16

@@ -83,6 +83,7 @@ class LeanQwen2:
         self.choices = dispatch.linear_choices(model.dtype)
         self._by_rows = [dispatch.choice_for_rows(self.choices, r) for r in range(dispatch.ROW_CLASSES[-1] + 1)]
         self.gemv = kernels.gemv(model.dtype) if "gemv" in self.choices else None
+        self.gemv_tuning = dispatch.gemv_tuning(model.dtype)
         self._projector = self._gemv_projector()
         self.ops = kernels.layer_ops(model.dtype) or kernels.TORCH_LAYER_OPS
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -170,7 +171,7 @@ class LeanQwen2:
             return x.new_empty(0, p.n)
         choice = self._by_rows[rows] if rows < len(self._by_rows) else self.choices[-1]
         if choice == "gemv":
-            return self.gemv(x.contiguous(), p.panels, p.bias, p.row_block, p.k_block)
+            return self.gemv(x.contiguous(), p.panels, p.bias, p.row_block, p.k_block, self.gemv_tuning)
         if choice == "onednn":
             return dispatch.onednn_linear(x, p.packed, p.bias)
         return F.linear(x, p.plain, p.bias)
@@ -178,14 +179,14 @@ class LeanQwen2:
     def _gemv_projector(self):
         """Where the gemv runs every row count: ``_project`` without its per-call choice (a step
         makes ~100 of them)."""
-        gemv = self.gemv
+        gemv, tuning = self.gemv, self.gemv_tuning
         if gemv is None or set(self.choices) != {"gemv"}:
             return self._project
 
         def project(x: torch.Tensor, p: Projection) -> torch.Tensor:
             if x.shape[0] == 0:
                 return x.new_empty(0, p.n)
-            return gemv(x.contiguous(), p.panels, p.bias, p.row_block, p.k_block)
+            return gemv(x.contiguous(), p.panels, p.bias, p.row_block, p.k_block, tuning)
 
         return project
 

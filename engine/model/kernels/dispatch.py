@@ -9,7 +9,10 @@ dispatches to the faster:
   ≥ rows): ``gemv`` (miniserve's kernel over panel-packed weights), ``onednn`` (oneDNN's linear over
   its pre-packed copy), ``torch`` (stock ``F.linear`` over the plain weight);
 - a step's attention: ``kernel`` (miniserve's attention kernel, every packed token in one call) or
-  ``sdpa`` (SDPA for the decodes together and per prefill chunk).
+  ``sdpa`` (SDPA for the decodes together and per prefill chunk);
+- the gemv's own tuning (``kernels.GemvTuning``): how it asks for its weight stream (``PREFETCH``'s
+  candidates, timed at 1 and 8 rows) and, for bf16 on a CPU with AMX, from which row class its
+  tiles beat its vector loop (``fold_amx``).
 
 Each linear candidate reads its own layout of the weights, and a second layout costs a whole
 model's worth of memory (issue 16: the 1.5B shape in fp32 barely fitted a 24 GB machine with
@@ -18,7 +21,7 @@ against that class's fastest candidate, loses least. The engine then keeps each 
 layout. The table is cached as JSON beside the compiled
 kernels, under a name hashed from ``machine_key()`` (CPU model, its flags, the
 ``MINISERVE_CPU_FEATURES`` mask, threads, torch and the kernels' sources); a file whose key differs
-is measured again, never reused. ``MINISERVE_DISPATCH=linear=onednn,attention=sdpa`` forces a
+is measured again, never reused. ``MINISERVE_DISPATCH=linear=onednn,attention=sdpa,amx=off`` forces a
 candidate (tests run every path through it; benchmarks compare them).
 
 The private ``torch.ops.mkldnn`` calls live here and nowhere else.
@@ -33,20 +36,31 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from engine.model import kernels
+from engine.model.kernels import GemvTuning
 from engine.model.kernels.features import ENV, cache_sizes, cpu_features, cpu_model, detected
 
 LINEAR = ("gemv", "onednn", "torch")
 ATTENTION = ("kernel", "sdpa")
+FORCEABLE = {"linear": LINEAR, "attention": ATTENTION, "amx": ("on", "off")}
 ROW_CLASSES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# how the gemv asks for its weight stream: the tunings that won on the CPUs measured so far
+# (docs/architecture.md), timed against each other on this one
+PREFETCH = (GemvTuning(prefetch_one=0, prefetch=16 << 10, prefetch_l2=False),
+            GemvTuning(prefetch_one=32 << 10, prefetch=16 << 10, prefetch_l2=True))
+# a decoder layer's four products (qkv, o, gate+up, down) as (outputs, inputs), Qwen2.5-0.5B's: the
+# candidates are timed on layers of these, as a model call runs them (a product's own overhead
+# counts: ~0.1 ms per oneDNN call at one row on one CPU, a fifth of a decode's linears)
+PROBE_LAYER = ((1152, 896), (896, 896), (9728, 896), (896, 4864))
+PROBE_BYTES = (64 << 20, 512 << 20)  # the probe's size: twice the last-level cache, within these
 FORCE_ENV = "MINISERVE_DISPATCH"
-VERSION = 4  # bump when what is measured or how it is chosen changes
+VERSION = 5  # bump when what is measured or how it is chosen changes
 log = logging.getLogger("miniserve.dispatch")
 
 
@@ -105,9 +119,10 @@ class Table:
     linear: dict[str, list[str]] = field(default_factory=dict)  # dtype -> choice per ROW_CLASSES
     attention: dict[str, str] = field(default_factory=dict)  # dtype -> "kernel" | "sdpa"
     timings: dict[str, dict] = field(default_factory=dict)  # dtype -> {"linear": {rows: {cand: s}}, "attention": {...}}
+    gemv: dict[str, dict] = field(default_factory=dict)  # dtype -> GemvTuning's fields
 
     def linear_choices(self, dtype: torch.dtype) -> list[str]:
-        force = forced("linear", LINEAR)
+        force = forced("linear")
         if force is None:
             return self.linear[_name(dtype)]
         if force not in linear_candidates(dtype):
@@ -115,21 +130,29 @@ class Table:
         return [force] * len(ROW_CLASSES)
 
     def attention_choice(self, dtype: torch.dtype) -> str:
-        return forced("attention", ATTENTION) or self.attention[_name(dtype)]
+        return forced("attention") or self.attention[_name(dtype)]
+
+    def gemv_tuning(self, dtype: torch.dtype) -> GemvTuning:
+        tuning = GemvTuning(**self.gemv.get(_name(dtype), {}))
+        amx = forced("amx")
+        if amx == "on" and not kernels.gemv_amx(dtype):
+            raise ValueError(f"{FORCE_ENV} forces amx=on, which this machine cannot run for {dtype}")
+        return tuning if amx is None else replace(tuning, amx_rows=1 if amx == "on" else 0)
 
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def forced(op: str, allowed: tuple[str, ...]) -> str | None:
-    """The candidate ``MINISERVE_DISPATCH`` forces for ``op`` (``linear=onednn,attention=sdpa``), or None."""
+def forced(op: str) -> str | None:
+    """The candidate ``MINISERVE_DISPATCH`` forces for ``op`` (``linear=onednn,attention=sdpa,amx=off``),
+    or None."""
     text = os.environ.get(FORCE_ENV, "").strip()
     for item in filter(None, (s.strip() for s in text.split(","))):
         name, _, value = item.partition("=")
-        if name not in ("linear", "attention") or (name == op and value not in allowed):
-            raise ValueError(f"{FORCE_ENV}={text!r}: use linear={'|'.join(LINEAR)} and/or "
-                             f"attention={'|'.join(ATTENTION)}, comma-separated")
+        if value not in FORCEABLE.get(name, ()):
+            raise ValueError(f"{FORCE_ENV}={text!r}: use " + " and/or ".join(
+                f"{n}={'|'.join(vals)}" for n, vals in FORCEABLE.items()) + ", comma-separated")
         if name == op:
             return value
     return None
@@ -161,7 +184,8 @@ def load_table(path: Path, key: dict) -> Table | None:
         return None
     if data.get("key") != key:
         return None
-    return Table(data["key"], data.get("linear", {}), data.get("attention", {}), data.get("timings", {}))
+    return Table(data["key"], data.get("linear", {}), data.get("attention", {}), data.get("timings", {}),
+                 data.get("gemv", {}))
 
 
 def save_table(path: Path, table: Table) -> None:
@@ -220,28 +244,106 @@ def linear_candidates(dtype: torch.dtype) -> list[str]:
             and (c != "onednn" or onednn_available(dtype))]
 
 
+@dataclass
+class ProbeWeights:
+    """The weights the linear candidates are timed on: decoder layers' products (``PROBE_LAYER``),
+    as many as make twice this CPU's last-level cache (within ``PROBE_BYTES``: a 2-vCPU guest may be
+    told of a host's whole 480 MiB L3), so small row counts stream them from memory as a model's
+    weights do; each in the layout its candidate reads, as the engine holds it (the gemv's panels
+    in huge pages)."""
+
+    plain: list[torch.Tensor]
+    panels: list[kernels.Panels]
+    packed: list[torch.Tensor]
+
+    @classmethod
+    @torch.inference_mode()
+    def build(cls, dtype: torch.dtype, candidates: list[str]) -> ProbeWeights:
+        esize = torch.empty((), dtype=dtype).element_size()
+        lo, hi = PROBE_BYTES
+        target = min(max(2 * cache_sizes().get("L3", 32 << 20), lo), hi)
+        layer_bytes = sum(n * k for n, k in PROBE_LAYER) * esize
+        g = torch.Generator().manual_seed(0)
+        plain = [(torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+                 for _ in range(max(1, -(-target // layer_bytes))) for n, k in PROBE_LAYER]
+        panels = kernels.in_huge_pages([kernels.pack_panels(w) for w in plain]) if "gemv" in candidates else []
+        packed = [onednn_pack(w) for w in plain] if "onednn" in candidates else []
+        return cls(plain, panels, packed)
+
+    def inputs(self, rows: int) -> dict[int, torch.Tensor]:
+        """x for ``rows`` rows, per input width."""
+        g = torch.Generator().manual_seed(rows)
+        return {k: torch.randn(rows, k, generator=g).to(self.plain[0].dtype) for k in {w.shape[1] for w in self.plain}}
+
+    def gemv(self, xs: dict[int, torch.Tensor], tuning: GemvTuning) -> None:
+        gemv = kernels.gemv(self.plain[0].dtype)
+        esize = self.plain[0].element_size()
+        for p in self.panels:
+            gemv(xs[p.k], p, None, row_block(p.k, esize), k_block(esize), tuning)
+
+    def onednn(self, xs: dict[int, torch.Tensor]) -> None:
+        for w, packed in zip(self.plain, self.packed):
+            onednn_linear(xs[w.shape[1]], packed, None)
+
+    def torch(self, xs: dict[int, torch.Tensor]) -> None:
+        for w in self.plain:
+            F.linear(xs[w.shape[1]], w)
+
+
 @torch.inference_mode()
-def measure_linear(dtype: torch.dtype, repeats: int = 9) -> dict[int, dict[str, float]]:
-    """Seconds per product at each row class, per candidate, on a weight twice this CPU's last-level
-    cache (so small row counts stream it from memory, as a model's weights do)."""
-    esize = torch.empty((), dtype=dtype).element_size()
-    k = 1024
-    n = max(2 * cache_sizes().get("L3", 32 << 20), 32 << 20) // (k * esize) // 32 * 32
-    g = torch.Generator().manual_seed(0)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
-    bias = torch.zeros(n, dtype=dtype)
+def tune_gemv(dtype: torch.dtype, probe: ProbeWeights, repeats: int = 5) -> tuple[GemvTuning, dict]:
+    """The ``PREFETCH`` tuning under which the gemv streams fastest here at 1 and 8 rows (the
+    sum of each row count's time against its best), with the seconds that chose it."""
+    timings: dict[int, dict[str, float]] = {}
+    for rows in (1, 8):
+        xs = probe.inputs(rows)
+        timings[rows] = _fastest_alternating({str(i): (lambda t=t: probe.gemv(xs, t)) for i, t in enumerate(PREFETCH)},
+                                             repeats)
+    score = {i: sum(timings[r][str(i)] / min(timings[r].values()) for r in timings) for i in range(len(PREFETCH))}
+    best = min(score, key=score.get)
+    return PREFETCH[best], {str(r): {json.dumps(asdict(PREFETCH[int(i)])): s for i, s in t.items()}
+                            for r, t in timings.items()}
+
+
+@torch.inference_mode()
+def measure_linear(dtype: torch.dtype, probe: ProbeWeights, tuning: GemvTuning = GemvTuning(), repeats: int = 5
+                   ) -> dict[int, dict[str, float]]:
+    """Seconds per pass over ``probe`` at each row class, per candidate; where the gemv can run on
+    AMX tiles, also ``gemv_amx`` (the gemv with them), for ``fold_amx``."""
     cands = linear_candidates(dtype)
-    gemv = kernels.gemv(dtype)
-    panels = kernels.pack_panels(w) if "gemv" in cands else None
-    packed = onednn_pack(w) if "onednn" in cands else None
-    block, k_steps = row_block(k, esize), k_block(esize)
+    amx = replace(tuning, amx_rows=1) if "gemv" in cands and kernels.gemv_amx(dtype) else None
+    vector = replace(tuning, amx_rows=0)
     out: dict[int, dict[str, float]] = {}
     for rows in ROW_CLASSES:
-        x = torch.randn(rows, k, generator=g).to(dtype)
-        fns = {"gemv": lambda: gemv(x, panels, bias, block, k_steps), "onednn": lambda: onednn_linear(x, packed, bias),
-               "torch": lambda: F.linear(x, w, bias)}
-        out[rows] = _fastest_alternating({c: fns[c] for c in cands}, repeats if rows <= 64 else 3)
+        xs = probe.inputs(rows)
+        fns = {"gemv": lambda: probe.gemv(xs, vector), "onednn": lambda: probe.onednn(xs),
+               "torch": lambda: probe.torch(xs)}
+        fns = {c: fns[c] for c in cands}
+        if amx is not None:
+            fns["gemv_amx"] = lambda: probe.gemv(xs, amx)
+        out[rows] = _fastest_alternating(fns, repeats if rows <= 64 else 3)
     return out
+
+
+def fold_amx(timings: dict[int, dict[str, float]]) -> tuple[int, dict[int, dict[str, float]]]:
+    """From which row class the gemv runs on AMX tiles (0: never), and the timings with ``gemv``
+    the gemv so tuned: the smallest class from which the tiles were faster at every larger one
+    (one threshold, not a choice per class: a busy moment must not flip one row count alone)."""
+    if not all("gemv_amx" in t for t in timings.values()):
+        return 0, timings
+    amx_rows = 0
+    for rows in reversed(ROW_CLASSES):
+        if timings[rows]["gemv_amx"] >= timings[rows]["gemv"]:
+            break
+        amx_rows = rows
+    folded = {}
+    for rows, t in timings.items():
+        t = dict(t)
+        tiled = t.pop("gemv_amx")
+        if amx_rows and rows >= amx_rows:
+            t["gemv"] = tiled
+        folded[rows] = t
+    return amx_rows, folded
 
 
 @torch.inference_mode()
@@ -289,17 +391,33 @@ def measure(dtype: torch.dtype, table: Table) -> bool:
     False when the measurements never agreed (the machine was too busy to trust them)."""
     t0 = time.perf_counter()
     candidates = linear_candidates(dtype)
+    tuning, prefetch, amx_rows, linear = GemvTuning(), {}, [0], {}
     if len(candidates) == 1:  # nothing to choose between (a torch without oneDNN and no kernels: macOS)
-        choices, linear, settled = candidates * len(ROW_CLASSES), {}, True
+        choices, settled = candidates * len(ROW_CLASSES), True
     else:
-        choices, linear, settled = agreed_choices(lambda: measure_linear(dtype))
+        probe = ProbeWeights.build(dtype, candidates)
+        if "gemv" in candidates:
+            tuning, prefetch = tune_gemv(dtype, probe)
+
+        def once() -> dict[int, dict[str, float]]:
+            nonlocal linear
+            linear = measure_linear(dtype, probe, tuning)
+            rows, folded = fold_amx(linear)
+            amx_rows.append(rows)
+            return folded
+
+        choices, _, settled = agreed_choices(once)  # its timings are the last measurement's, folded
+        del probe
     attention = measure_attention(dtype)
     name = _name(dtype)
     table.linear[name] = choices
     table.attention[name] = choose(attention)
-    table.timings[name] = {"linear": {str(r): t for r, t in linear.items()}, "attention": attention}
-    log.info("dispatch for %s measured on this CPU in %.1f s: linears %s by rows %s, decode attention %s",
-             name, time.perf_counter() - t0, table.linear[name], list(ROW_CLASSES), table.attention[name])
+    table.gemv[name] = asdict(replace(tuning, amx_rows=amx_rows[-1]))
+    table.timings[name] = {"linear": {str(r): t for r, t in linear.items()}, "attention": attention,
+                           "gemv_prefetch": prefetch}
+    log.info("dispatch for %s measured on this CPU in %.1f s: linears %s by rows %s, decode attention %s, gemv %s",
+             name, time.perf_counter() - t0, table.linear[name], list(ROW_CLASSES), table.attention[name],
+             table.gemv[name])
     if not settled:
         log.warning("dispatch for %s: no two measurements agreed (a busy machine); using the majority "
                     "for this process and measuring again next time", name)
@@ -337,6 +455,11 @@ def table(dtype: torch.dtype) -> Table:
 def linear_choices(dtype: torch.dtype) -> list[str]:
     """The linear candidate per ROW_CLASSES for ``dtype`` on this machine."""
     return table(dtype).linear_choices(dtype)
+
+
+def gemv_tuning(dtype: torch.dtype) -> GemvTuning:
+    """How the gemv runs ``dtype`` on this machine (prefetch, AMX from which row count)."""
+    return table(dtype).gemv_tuning(dtype)
 
 
 def decode_attention(dtype: torch.dtype, head_dim: int):
