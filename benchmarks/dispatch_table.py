@@ -42,13 +42,20 @@ def main() -> None:
         table = dispatch.table(dtype)
         lin = table.timings[d]["linear"]
         cands = dispatch.linear_candidates(dtype)
+        tuning = table.gemv_tuning(dtype)
         if not lin:  # one candidate runs here: taken without timing
             print(f"\n{d}: linears: only {', '.join(cands)} runs on this machine (not timed)")
         else:
-            print(f"\n{d}: {'rows':>5s} " + " ".join(f"{c + ' ms':>10s}" for c in cands) + "   chosen")
+            cols = cands + (["gemv_amx"] if "gemv_amx" in lin[str(dispatch.ROW_CLASSES[0])] else [])
+            print(f"\n{d}: ms per pass over {table.timings[d].get('probe_mib', '?')} MiB of layers; gemv_amx: the "
+                  f"gemv on AMX tiles, which it runs from {tuning.amx_rows or 'no'} rows on")
+            print(f"{d}: {'rows':>5s} " + " ".join(f"{c:>10s}" for c in cols) + "   chosen")
             for rows, choice in zip(dispatch.ROW_CLASSES, table.linear[d]):
                 t = lin[str(rows)]
-                print(f"{d}: {rows:5d} " + " ".join(f"{1e3 * t[c]:10.3f}" for c in cands) + f"   {choice}")
+                print(f"{d}: {rows:5d} " + " ".join(f"{1e3 * t[c]:10.3f}" for c in cols) + f"   {choice}")
+        for rows, t in table.timings[d].get("gemv_prefetch", {}).items():
+            print(f"{d}: gemv prefetch at {rows} rows: " + ", ".join(f"{k} {1e3 * s:.3f} ms" for k, s in t.items()))
+        print(f"{d}: gemv tuning chosen: {tuning}")
         att = table.timings[d]["attention"]
         print(f"{d}: decode attention (8 x 256 keys): " + ", ".join(f"{c} {1e3 * t:.3f} ms" for c, t in att.items())
               + f" -> {table.attention[d]}")

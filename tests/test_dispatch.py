@@ -138,7 +138,7 @@ def test_an_unsettled_measurement_is_used_but_not_cached(monkeypatch):
     winners = iter(["torch", "gemv", "onednn"])
     monkeypatch.setattr(dispatch, "linear_candidates", lambda dtype: ["gemv", "onednn", "torch"])
     monkeypatch.setattr(dispatch, "measure_linear", lambda *args: _timings(next(winners)))
-    monkeypatch.setattr(dispatch.ProbeWeights, "build", lambda dtype, candidates: None)
+    monkeypatch.setattr(dispatch.ProbeWeights, "build", lambda dtype, candidates: dispatch.ProbeWeights([], [], []))
     monkeypatch.setattr(dispatch, "tune_gemv", lambda dtype, probe: (dispatch.PREFETCH[1], {}))
     table = dispatch.Table(dispatch.machine_key())
     assert dispatch.measure(torch.float32, table) is False  # table() then does not save it

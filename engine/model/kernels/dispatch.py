@@ -58,7 +58,7 @@ PREFETCH = (GemvTuning(prefetch_one=0, prefetch=16 << 10, prefetch_l2=False),
 # candidates are timed on layers of these, as a model call runs them (a product's own overhead
 # counts: ~0.1 ms per oneDNN call at one row on one CPU, a fifth of a decode's linears)
 PROBE_LAYER = ((1152, 896), (896, 896), (9728, 896), (896, 4864))
-PROBE_BYTES = (64 << 20, 512 << 20)  # the probe's size: twice the last-level cache, within these
+PROBE_BYTES = (64 << 20, 512 << 20)  # the probe: twice the last-level cache within these, in whole layers
 FORCE_ENV = "MINISERVE_DISPATCH"
 VERSION = 5  # bump when what is measured or how it is chosen changes
 log = logging.getLogger("miniserve.dispatch")
@@ -391,11 +391,12 @@ def measure(dtype: torch.dtype, table: Table) -> bool:
     False when the measurements never agreed (the machine was too busy to trust them)."""
     t0 = time.perf_counter()
     candidates = linear_candidates(dtype)
-    tuning, prefetch, amx_rows, linear = GemvTuning(), {}, [0], {}
+    tuning, prefetch, amx_rows, linear, probe_mib = GemvTuning(), {}, [0], {}, 0
     if len(candidates) == 1:  # nothing to choose between (a torch without oneDNN and no kernels: macOS)
         choices, settled = candidates * len(ROW_CLASSES), True
     else:
         probe = ProbeWeights.build(dtype, candidates)
+        probe_mib = sum(w.numel() * w.element_size() for w in probe.plain) >> 20
         if "gemv" in candidates:
             tuning, prefetch = tune_gemv(dtype, probe)
 
@@ -414,7 +415,7 @@ def measure(dtype: torch.dtype, table: Table) -> bool:
     table.attention[name] = choose(attention)
     table.gemv[name] = asdict(replace(tuning, amx_rows=amx_rows[-1]))
     table.timings[name] = {"linear": {str(r): t for r, t in linear.items()}, "attention": attention,
-                           "gemv_prefetch": prefetch}
+                           "gemv_prefetch": prefetch, "probe_mib": probe_mib}
     log.info("dispatch for %s measured on this CPU in %.1f s: linears %s by rows %s, decode attention %s, gemv %s",
              name, time.perf_counter() - t0, table.linear[name], list(ROW_CLASSES), table.attention[name],
              table.gemv[name])
