@@ -53,6 +53,7 @@ ROW_CLASSES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # how the gemv asks for its weight stream: the tunings that won on the CPUs measured so far
 # (docs/architecture.md), timed against each other on this one
 PREFETCH = (GemvTuning(prefetch_one=0, prefetch=16 << 10, prefetch_l2=False),
+            GemvTuning(prefetch_one=0, prefetch=4 << 10, prefetch_l2=False),
             GemvTuning(prefetch_one=32 << 10, prefetch=16 << 10, prefetch_l2=True))
 # a decoder layer's four products (qkv, o, gate+up, down) as (outputs, inputs), Qwen2.5-0.5B's: the
 # candidates are timed on layers of these, as a model call runs them (a product's own overhead
