@@ -46,9 +46,11 @@ def kernel_rates(runner: ModelRunner, gemv, dtype, rows_list, passes: int) -> No
             for panels, packed, _ in seq:
                 dispatch.onednn_linear(xs[panels.k], packed, None)
 
+        tuning = dispatch.gemv_tuning(dtype)  # as the engine runs it (prefetch, AMX tiles)
+
         def mine():
             for panels, _, _ in seq:
-                gemv(xs[panels.k], panels, None, dispatch.row_block(panels.k, esize), dispatch.k_block(esize))
+                gemv(xs[panels.k], panels, None, dispatch.row_block(panels.k, esize), dispatch.k_block(esize), tuning)
 
         times = time_alternating([onednn, mine], passes, warm=1)
         ta, tb = statistics.median(times[0]), statistics.median(times[1])

@@ -192,3 +192,19 @@ def test_forcing_the_tiles_on_or_off(monkeypatch):
         dispatch.forced("amx")
     monkeypatch.delenv(dispatch.FORCE_ENV)
     assert dispatch.Table({}).gemv_tuning(torch.float32) == GemvTuning()  # a table without a tuning: the defaults
+
+
+def test_the_gemv_tuning_survives_the_cache(tmp_path):
+    key = {"version": dispatch.VERSION, "cpu": "test"}
+    t = dispatch.Table(key, {"bfloat16": ["gemv"] * len(CLASSES)}, {"bfloat16": "kernel"}, {},
+                       {"bfloat16": asdict(GemvTuning(0, 4096, False, 0))})
+    dispatch.save_table(tmp_path / "t.json", t)
+    loaded = dispatch.load_table(tmp_path / "t.json", key)
+    assert loaded.gemv == t.gemv and loaded.gemv_tuning(torch.bfloat16) == GemvTuning(0, 4096, False, 0)
+
+
+def test_a_cached_amx_threshold_is_dropped_where_this_process_has_no_tiles(monkeypatch):
+    """The key does not cover the OS's grant of the tiles: without it, the vector loop, not an error per call."""
+    monkeypatch.setattr(kernels, "gemv_amx", lambda dtype: False)
+    t = dispatch.Table({}, gemv={"bfloat16": asdict(GemvTuning(0, 4096, False, 2))})
+    assert t.gemv_tuning(torch.bfloat16) == GemvTuning(0, 4096, False, 0)

@@ -59,7 +59,7 @@ PREFETCH = (GemvTuning(prefetch_one=0, prefetch=16 << 10, prefetch_l2=False),
 # candidates are timed on layers of these, as a model call runs them (a product's own overhead
 # counts: ~0.1 ms per oneDNN call at one row on one CPU, a fifth of a decode's linears)
 PROBE_LAYER = ((1152, 896), (896, 896), (9728, 896), (896, 4864))
-PROBE_BYTES = (64 << 20, 512 << 20)  # the probe: twice the last-level cache within these, in whole layers
+PROBE_BYTES = (64 << 20, 512 << 20)  # the probe: twice the last-level cache within these, rounded up to a layer
 FORCE_ENV = "MINISERVE_DISPATCH"
 VERSION = 5  # bump when what is measured or how it is chosen changes
 log = logging.getLogger("miniserve.dispatch")
@@ -135,6 +135,10 @@ class Table:
 
     def gemv_tuning(self, dtype: torch.dtype) -> GemvTuning:
         tuning = GemvTuning(**self.gemv.get(_name(dtype), {}))
+        if tuning.amx_rows and not kernels.gemv_amx(dtype):
+            # the key does not cover the OS's grant of the tiles (a kernel, a sandbox that refuses it)
+            log.warning("cached dispatch runs %s on AMX tiles, which this process cannot; the vector loop", dtype)
+            tuning = replace(tuning, amx_rows=0)
         amx = forced("amx")
         if amx == "on" and not kernels.gemv_amx(dtype):
             raise ValueError(f"{FORCE_ENV} forces amx=on, which this machine cannot run for {dtype}")
@@ -248,8 +252,8 @@ def linear_candidates(dtype: torch.dtype) -> list[str]:
 @dataclass
 class ProbeWeights:
     """The weights the linear candidates are timed on: decoder layers' products (``PROBE_LAYER``),
-    as many as make twice this CPU's last-level cache (within ``PROBE_BYTES``: a 2-vCPU guest may be
-    told of a host's whole 480 MiB L3), so small row counts stream them from memory as a model's
+    as many as make twice this CPU's last-level cache (held within ``PROBE_BYTES``, then rounded up
+    to a whole layer: a 2-vCPU guest may be told of a host's whole 480 MiB L3), so small row counts stream them from memory as a model's
     weights do; each in the layout its candidate reads, as the engine holds it (the gemv's panels
     in huge pages)."""
 
@@ -286,7 +290,7 @@ class ProbeWeights:
         for w, packed in zip(self.plain, self.packed):
             onednn_linear(xs[w.shape[1]], packed, None)
 
-    def torch(self, xs: dict[int, torch.Tensor]) -> None:
+    def stock(self, xs: dict[int, torch.Tensor]) -> None:
         for w in self.plain:
             F.linear(xs[w.shape[1]], w)
 
@@ -318,7 +322,7 @@ def measure_linear(dtype: torch.dtype, probe: ProbeWeights, tuning: GemvTuning =
     for rows in ROW_CLASSES:
         xs = probe.inputs(rows)
         fns = {"gemv": lambda: probe.gemv(xs, vector), "onednn": lambda: probe.onednn(xs),
-               "torch": lambda: probe.torch(xs)}
+               "torch": lambda: probe.stock(xs)}
         fns = {c: fns[c] for c in cands}
         if amx is not None:
             fns["gemv_amx"] = lambda: probe.gemv(xs, amx)

@@ -24,7 +24,7 @@
 // On a CPU with AMX (bf16 tiles) the bf16 product can run on the tiles instead (run_panels_amx),
 // from `amx_rows` rows on: the bf16 panels are AMX's weight layout as they are, so nothing is
 // packed again. Where that pays, and how far ahead of the arithmetic the weight stream is asked
-// for (`prefetch_bytes`, into L1 or L2), is measured per machine (engine/model/kernels/dispatch.py).
+// for (`prefetch_one`, `prefetch`, into L1 or L2: `prefetch_l2`), is measured per machine (engine/model/kernels/dispatch.py).
 //
 // Built at first use by engine/kernels/__init__.py (torch.utils.cpp_extension). The kernels are
 // compiled with target attributes and only run where the CPU has what they need
@@ -47,6 +47,13 @@
 #include <unistd.h>
 
 #include "simd.h"
+
+// The AMX intrinsics and target names need GCC 11 or clang 12; an older compiler builds the rest
+#if defined(MINISERVE_X86) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                               (!defined(__clang__) && __GNUC__ >= 11))
+#define MINISERVE_AMX 1
+#include <cpuid.h>
+#endif
 
 namespace {
 
@@ -360,6 +367,7 @@ void run_panels(const T* xp, const T* wpp, const T* bp, T* yp, int64_t M, int64_
   });
 }
 
+#ifdef MINISERVE_AMX
 // ---- AMX: the bf16 product on tiles ----------------------------------------------------------
 // The bf16 panels are AMX's weight (B) layout as they are: a k pair of a panel is 32 outputs × 2
 // bf16 = 128 bytes, so 16 k pairs × 16 outputs is a B tile at a 128-byte stride, and the panel's
@@ -378,9 +386,9 @@ bool amx_permitted() {  // Linux hands a process the tiles' state only on reques
 }
 
 bool cpu_has_amx() {
-  __builtin_cpu_init();
-  return cpu_has_avx512_bf16() && allow_amx_bf16().load(std::memory_order_relaxed) &&
-         __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted();
+  unsigned a, b, c, d;  // CPUID 7.0 EDX: bit 22 AMX-BF16, bit 24 AMX-TILE (older compilers' cpu_supports lack them)
+  const bool tiles = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1);
+  return cpu_has_avx512_bf16() && allow_amx_bf16().load(std::memory_order_relaxed) && tiles && amx_permitted();
 }
 
 // Tiles 0-3 hold the sums (row block b, panel half h: tile 2b + h; 16 rows × 16 fp32), 4-5 x's
@@ -486,6 +494,7 @@ void run_panels_amx(const uint16_t* xp, const uint16_t* wpp, const uint16_t* bp,
     });
   }
 }
+#endif  // MINISERVE_AMX
 
 #endif  // MINISERVE_X86
 
@@ -498,7 +507,7 @@ bool gemv_supported(at::ScalarType dtype) {
 }
 
 bool gemv_amx_supported() {
-#ifdef MINISERVE_X86
+#ifdef MINISERVE_AMX
   return cpu_has_amx();
 #endif
   return false;
@@ -563,8 +572,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
                  panel_f32_avx2<decltype(rows)::value, decltype(spread)::value>(args...);
                },
                [](auto&&... args) { finish_panel_avx2(args...); });
+#ifdef MINISERVE_AMX
   } else if (amx_rows && M >= amx_rows) {
     run_panels_amx(bits(x), bits(wp), has_bias ? bits(*bias) : nullptr, bits(y), M, N, K, row_block, stream);
+#endif
   } else {
     run_panels<kBlockRows>(static_cast<const uint16_t*>(bits(x)), static_cast<const uint16_t*>(bits(wp)),
                has_bias ? static_cast<const uint16_t*>(bits(*bias)) : nullptr, bits(y), M, N, K, (K + 1) / 2,
