@@ -253,9 +253,9 @@ def linear_candidates(dtype: torch.dtype) -> list[str]:
 class ProbeWeights:
     """The weights the linear candidates are timed on: decoder layers' products (``PROBE_LAYER``),
     as many as make twice this CPU's last-level cache (held within ``PROBE_BYTES``, then rounded up
-    to a whole layer: a 2-vCPU guest may be told of a host's whole 480 MiB L3), so small row counts stream them from memory as a model's
-    weights do; each in the layout its candidate reads, as the engine holds it (the gemv's panels
-    in huge pages)."""
+    to a whole layer: a 2-vCPU guest may be told of a host's whole 480 MiB L3), so small row counts
+    stream them from memory as a model's weights do; each in the layout its candidate reads, as the
+    engine holds it (the gemv's panels in huge pages)."""
 
     plain: list[torch.Tensor]
     panels: list[kernels.Panels]

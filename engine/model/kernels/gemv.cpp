@@ -24,7 +24,8 @@
 // On a CPU with AMX (bf16 tiles) the bf16 product can run on the tiles instead (run_panels_amx),
 // from `amx_rows` rows on: the bf16 panels are AMX's weight layout as they are, so nothing is
 // packed again. Where that pays, and how far ahead of the arithmetic the weight stream is asked
-// for (`prefetch_one`, `prefetch`, into L1 or L2: `prefetch_l2`), is measured per machine (engine/model/kernels/dispatch.py).
+// for (`prefetch_one`, `prefetch`, into L1 or L2: `prefetch_l2`), is measured per machine
+// (engine/model/kernels/dispatch.py).
 //
 // Built at first use by engine/kernels/__init__.py (torch.utils.cpp_extension). The kernels are
 // compiled with target attributes and only run where the CPU has what they need
@@ -445,10 +446,11 @@ __attribute__((target("amx-tile,amx-bf16"))) void panel_amx(const uint16_t* x, i
 
 // Each thread takes a run of panels, row_block rows at a time (whole 32s); every row block sweeps
 // a panel's whole K (blocks of K that stay in L1, as the vector loop takes them, were slower here:
-// the sums' tiles then go to memory and back between blocks; docs/architecture.md): pairs of 16-row blocks (each weight tile used twice, each x tile twice), a last
-// 16-row block, then the rows past the last 16 with their own tile shape; the first row block asks
-// for the weights `stream.ahead` k pairs on. What the tiles do not cover (an odd K's last pair, the
-// k pairs past the last 16) panel_bf16 adds to the tiles' sums.
+// the sums' tiles then go to memory and back between blocks; docs/architecture.md): pairs of
+// 16-row blocks (each weight tile used twice, each x tile twice), a last 16-row block, then the
+// rows past the last 16 with their own tile shape; the first row block asks for the weights
+// `stream.ahead` k pairs on. What the tiles do not cover (an odd K's last pair, the k pairs past
+// the last 16) panel_bf16 adds to the tiles' sums.
 void run_panels_amx(const uint16_t* xp, const uint16_t* wpp, const uint16_t* bp, uint16_t* yp, int64_t M, int64_t N,
                     int64_t K, int64_t row_block, Prefetch stream) {
   const int64_t panels = (N + kPanel - 1) / kPanel, pairs = (K + 1) / 2, kk_tiles = K / 2 / 16 * 16;
