@@ -171,6 +171,7 @@ def test_the_tiles_take_over_from_the_row_class_where_they_win_every_larger_one(
     assert dispatch.fold_amx(_with_amx(set(CLASSES)))[0] == 1
     plain = {r: {"gemv": 1.0, "onednn": 2.0} for r in CLASSES}
     assert dispatch.fold_amx(plain) == (0, plain)  # no tiles here: nothing to fold
+    assert dispatch.fold_amx({}) == (0, {})  # one candidate, taken untimed
 
 
 def test_forcing_the_tiles_on_or_off(monkeypatch):

@@ -334,7 +334,7 @@ def fold_amx(timings: dict[int, dict[str, float]]) -> tuple[int, dict[int, dict[
     """From which row class the gemv runs on AMX tiles (0: never), and the timings with ``gemv``
     the gemv so tuned: the smallest class from which the tiles were faster at every larger one
     (one threshold, not a choice per class: a busy moment must not flip one row count alone)."""
-    if not all("gemv_amx" in t for t in timings.values()):
+    if not timings or not all("gemv_amx" in t for t in timings.values()):  # none timed, or no tiles here
         return 0, timings
     amx_rows = 0
     for rows in reversed(ROW_CLASSES):
@@ -396,7 +396,7 @@ def measure(dtype: torch.dtype, table: Table) -> bool:
     False when the measurements never agreed (the machine was too busy to trust them)."""
     t0 = time.perf_counter()
     candidates = linear_candidates(dtype)
-    tuning, prefetch, amx_rows, linear, probe_mib = GemvTuning(), {}, [0], {}, 0
+    tuning, prefetch, linear, probe_mib = GemvTuning(), {}, {}, 0
     if len(candidates) == 1:  # nothing to choose between (a torch without oneDNN and no kernels: macOS)
         choices, settled = candidates * len(ROW_CLASSES), True
     else:
@@ -406,19 +406,17 @@ def measure(dtype: torch.dtype, table: Table) -> bool:
             tuning, prefetch = tune_gemv(dtype, probe)
 
         def once() -> dict[int, dict[str, float]]:
-            nonlocal linear
+            nonlocal linear  # the last measurement, unfolded: kept with the tiles' own column
             linear = measure_linear(dtype, probe, tuning)
-            rows, folded = fold_amx(linear)
-            amx_rows.append(rows)
-            return folded
+            return fold_amx(linear)[1]
 
-        choices, _, settled = agreed_choices(once)  # its timings are the last measurement's, folded
+        choices, _, settled = agreed_choices(once)
         del probe
     attention = measure_attention(dtype)
     name = _name(dtype)
     table.linear[name] = choices
     table.attention[name] = choose(attention)
-    table.gemv[name] = asdict(replace(tuning, amx_rows=amx_rows[-1]))
+    table.gemv[name] = asdict(replace(tuning, amx_rows=fold_amx(linear)[0]))  # as the last measurement had it
     table.timings[name] = {"linear": {str(r): t for r, t in linear.items()}, "attention": attention,
                            "gemv_prefetch": prefetch, "probe_mib": probe_mib}
     log.info("dispatch for %s measured on this CPU in %.1f s: linears %s by rows %s, decode attention %s, gemv %s",
