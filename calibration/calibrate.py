@@ -21,8 +21,8 @@ from calibration.grid import GRID_SPECS, build_grid
 from calibration.kv_copy import measure_kv_copy
 from calibration.bandwidth_history import profile_history
 from calibration.noise import noise_report
-from calibration.profiler import (IDLE_SHAPES, Measurement, Robustness, ShapePool, execute_uncontended, make_runner,
-                                  measure_after_idle,
+from calibration.profiler import (IDLE_SHAPES, Measurement, Robustness, ShapePool, after_idle_sleep_s,
+                                  execute_uncontended, make_runner, measure_after_idle,
                                   measure_engine_runs, measure_shapes, threads_of)
 from calibration.roofline import (MemoryStamp, ModelShape, fresh_like_gb_s, measure_machine, memory_read_gb_s,
                                   roofline_s)
@@ -173,7 +173,8 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     slots = max(spec.max_seqs, max(s.num_requests for s in shapes))
     runner = make_runner(model_config, slots, max_len)
     pool = ShapePool(runner, slots, max_len, seed=cfg.seed)
-    plan = plan_to_budget(pool, shapes, cfg, spec.repeats, t0)
+    idle_shapes = [s for s in IDLE_SHAPES if s.max_len <= max_len and s.num_requests <= slots]
+    plan = plan_to_budget(pool, shapes, cfg, spec.repeats, t0, after_idle_sleep_s(len(idle_shapes), spec.idle_levels))
     # with a time budget, what it leaves for measuring bounds the retries and extra rounds too
     robust = cfg.robust if plan.budget_s is None else replace(cfg.robust, budget_s=plan.budget_s)
     stamp = functools.partial(memory_read_gb_s, device=runner.device)  # fresh memory where the weights sit
@@ -181,8 +182,9 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     with MemoryStamp(runner.device, weights) as memory:
         measurements, mlog = measure_shapes(pool, plan.shapes, plan.repeats, plan.warmups, cfg.seed,
                                             cfg.progress, robust, stamp)
-        after_idle = measure_after_idle(pool, [s for s in IDLE_SHAPES if s.max_len <= max_len
-                                                and s.num_requests <= slots])
+        after_idle = measure_after_idle(pool, idle_shapes, spec.idle_levels)
+        log.info("a call after idle costs more by " + ", ".join(
+            f"{1e3 * level['extra_s']:.1f} ms after {level['idle_s']:g} s" for level in after_idle["levels"]))
         pool.release()
         overhead, engine_calls = measure_engine_runs(runner, min(8, slots), cfg.overhead_runs)
         copy = measure_kv_copy(runner)
@@ -217,7 +219,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
         "preferred": preferred_model(fit, physical_fit),  # what this model's own simulations use
         "step_overhead": overhead.to_dict(),
         "kv_copy": copy.to_dict(),
-        "after_idle": after_idle,  # CostModel.after_idle_s
+        "after_idle": after_idle,  # CostModel.after_idle
         "roofline": {"machine": machine.to_dict(), "heldout": fit["roofline_heldout"]},
         "memory_read_gb_s": {"before": memory.before, "after": memory.after},  # CostModel.memory_read_gb_s
         # this process's own weights (cost_model.weights_read_gb_s) and a fresh buffer of their dtype read
@@ -247,18 +249,18 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     return Calibration(model, measurements, heldout, predicted, baseline, wall)
 
 
-# the share of the time budget the grid's measuring may take (the engine runs, the after-idle pairs
-# and the fit take the rest); of the measuring, the base rounds are planned to leave EXTRA_SHARE
+# the share of the time budget the grid's measuring may take (the engine runs, the after-idle pairs'
+# calls and the fit take the rest, the after-idle sleeps come off it); of the measuring, the base rounds are planned to leave EXTRA_SHARE
 # for the extra rounds of the shapes that spread wide
 MEASURE_SHARE = 0.8
 EXTRA_SHARE = 0.15
 
 
 def plan_to_budget(pool: ShapePool, shapes: list, cfg: CalibrationConfig, grid_repeats: int,
-                   started_at: float) -> MeasurePlan:
+                   started_at: float, set_aside_s: float = 0.0) -> MeasurePlan:
     """Price the grid's calls with two pilot calls and thin it to what ``cfg.time_budget_s`` leaves
-    for measuring since ``started_at`` (``time.perf_counter()``; calibration.budget); the plan's
-    cuts are logged. A pilot call timed while others used the CPU is timed again."""
+    for measuring since ``started_at`` (``time.perf_counter()``; calibration.budget) less
+    ``set_aside_s`` (the after-idle sleeps); the plan's cuts are logged. A pilot call timed while others used the CPU is timed again."""
     repeats = cfg.repeats or grid_repeats
     if cfg.time_budget_s is None:
         return plan_measurement(shapes, [0.0] * len(shapes), repeats, cfg.warmup, None)
@@ -268,7 +270,7 @@ def plan_to_budget(pool: ShapePool, shapes: list, cfg: CalibrationConfig, grid_r
         plan = shape.to_plan(pool.request_ids)
         pool.execute(plan)  # warm-up
         pilot.append((shape.num_tokens, execute_uncontended(pool, plan, cfg.robust.max_retries)[0]))
-    budget = max(0.0, MEASURE_SHARE * cfg.time_budget_s - (time.perf_counter() - started_at))
+    budget = max(0.0, MEASURE_SHARE * cfg.time_budget_s - (time.perf_counter() - started_at) - set_aside_s)
     plan = plan_measurement(shapes, price_calls(shapes, pilot[0], pilot[1]), repeats, cfg.warmup,
                             (1 - EXTRA_SHARE) * budget)
     plan = replace(plan, budget_s=budget)

@@ -24,6 +24,7 @@ own (calibration/kv_copy.py); a profile from before it charges nothing.
 from __future__ import annotations
 
 import json
+import math
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -123,12 +124,41 @@ def before_call_s(info: dict, step_overhead_s: float) -> float:
     return min(max(part, 0.0), step_overhead_s)
 
 
-def after_idle_s(info: dict) -> tuple[float, float]:
-    """(idle seconds, extra seconds): a call that starts after the engine sat idle at least that
-    long takes that much longer than predicted (calibration.profiler.measure_after_idle). (inf, 0)
-    for profiles from before it was measured."""
-    part = info.get("after_idle")
-    return (part["idle_s"], part["extra_s"]) if part else (float("inf"), 0.0)
+@dataclass(frozen=True)
+class AfterIdle:
+    """What the first call after the engine sat idle costs more than the same call back to back, by
+    how long it sat (calibration.profiler.measure_after_idle, at a few idle lengths): nothing below
+    the shortest idle measured, the longest's extra past it, linear in log(idle) between two measured
+    ones; never less after a longer idle (each extra is at least the shorter idles'). Why by length:
+    on a shared host the caches and the core go to others while the engine sleeps, and the longer it
+    sleeps the more there is to win back (docs/architecture.md has the figures)."""
+
+    idle_s: tuple[float, ...] = ()
+    extra_s: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, info: dict) -> AfterIdle:
+        """From a profile's info; profiles from before the idle lengths have one, older ones none."""
+        part = info.get("after_idle")
+        if not part:
+            return cls()
+        levels = sorted(part.get("levels") or [part], key=lambda level: level["idle_s"])
+        extra, at_least = [], 0.0
+        for level in levels:
+            at_least = max(at_least, level["extra_s"])
+            extra.append(at_least)
+        return cls(tuple(level["idle_s"] for level in levels), tuple(extra))
+
+    def extra(self, idle_s: float) -> float:
+        """Seconds the first call after ``idle_s`` of idle takes more."""
+        if not self.idle_s or idle_s < self.idle_s[0]:
+            return 0.0
+        i = bisect_right(self.idle_s, idle_s) - 1
+        if i + 1 >= len(self.idle_s):
+            return self.extra_s[-1]
+        lo, hi = math.log(self.idle_s[i]), math.log(self.idle_s[i + 1])
+        share = (math.log(idle_s) - lo) / (hi - lo)
+        return self.extra_s[i] + share * (self.extra_s[i + 1] - self.extra_s[i])
 
 
 def weights_read_gb_s(info: dict) -> float | None:
@@ -229,8 +259,8 @@ class CostModel:
         return before_call_s(self.info, self.step_overhead_s)
 
     @property
-    def after_idle_s(self) -> tuple[float, float]:
-        return after_idle_s(self.info)
+    def after_idle(self) -> AfterIdle:
+        return AfterIdle.of(self.info)
 
     def to_dict(self) -> dict:
         return {"feature_names": list(self.feature_names), "coefficients": list(self.coefficients),

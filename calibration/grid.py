@@ -76,6 +76,10 @@ class GridSpec:
     max_batched_tokens: int
     max_seqs: int
     repeats: int
+    # (idle seconds, rounds) at which a call after idle is timed against back to back
+    # (calibration.profiler.measure_after_idle): what a serving loop's gaps between arrivals span at
+    # low load; the longer idles get fewer rounds, as each costs its whole sleep
+    idle_levels: tuple[tuple[float, int], ...] = ((0.1, 5), (0.5, 2), (1.5, 1), (4.0, 1))
     seed: int = 0
 
 
@@ -83,7 +87,7 @@ GRID_SPECS: dict[str, GridSpec] = {
     "quick": GridSpec(decode_batches=(1, 2, 3, 4, 6, 8), decode_contexts=(8, 64),
                       prefill_chunks=(1, 2, 4, 8, 16, 32, 48), prefill_contexts=(0, 32),
                       multi_prefill=((2, 12), (4, 12), (8, 12)), num_mixed=12,
-                      max_batched_tokens=96, max_seqs=8, repeats=3),
+                      max_batched_tokens=96, max_seqs=8, repeats=3, idle_levels=((0.1, 3), (0.5, 1), (2.0, 1))),
     "full": GridSpec(decode_batches=(1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32),
                      decode_contexts=(16, 128, 512, 1024),
                      prefill_chunks=(1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64, 128, 256),

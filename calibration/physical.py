@@ -29,7 +29,7 @@ from pathlib import Path
 
 from engine.core.plan import BatchPlan
 
-from calibration.cost_model import TOKEN_KNOTS, CostModel, ProfileMismatchError, after_idle_s, before_call_s
+from calibration.cost_model import TOKEN_KNOTS, AfterIdle, CostModel, ProfileMismatchError, before_call_s
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ROW_KNOTS: tuple[int, ...] = TOKEN_KNOTS  # sampled rows (SAMPLE_KNOTS) fall on these knots too
@@ -194,8 +194,8 @@ class PhysicalCostModel:
         return before_call_s(self.info, self.step_overhead_s)
 
     @property
-    def after_idle_s(self) -> tuple[float, float]:
-        return after_idle_s(self.info)
+    def after_idle(self) -> AfterIdle:
+        return AfterIdle.of(self.info)
 
     @property
     def memory_read_gb_s(self) -> float:

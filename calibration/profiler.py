@@ -247,24 +247,35 @@ def spread(times: Sequence[float]) -> float:
     return (max(times) - min(times)) / statistics.median(times)
 
 
-def measure_after_idle(pool: ShapePool, shapes: list[Shape], idle_s: float = 0.1, rounds: int = 5,
+def after_idle_sleep_s(num_shapes: int, levels: Sequence[tuple[float, int]]) -> float:
+    """The seconds ``measure_after_idle`` sleeps: the calibration's time budget sets them aside."""
+    return num_shapes * sum(idle * rounds for idle, rounds in levels)
+
+
+def measure_after_idle(pool: ShapePool, shapes: list[Shape], levels: Sequence[tuple[float, int]],
                        sleep: Callable[[float], None] = time.sleep) -> dict:
-    """What a model call costs more right after the engine sat idle (``idle_s``, as a serving loop
-    does between arrivals at low load) than the same call back to back: the median over
-    ``shapes`` × ``rounds`` of (after idle − back to back), each pair timed one after the other.
-    The grid times calls back to back, so without this the first call after idle is predicted
-    too fast (calibration.cost_model.CostModel.after_idle)."""
+    """What a model call costs more right after the engine sat idle than the same call back to
+    back, at each of ``levels`` (idle seconds, rounds: calibration.grid.GridSpec.idle_levels): the
+    median over ``shapes`` × rounds of (after idle − back to back), each pair timed one after the
+    other, the idle lengths taken in turn within a round so a spell of the machine falls on all. The grid times calls back
+    to back, so without this the first call after idle is predicted too fast
+    (calibration.cost_model.AfterIdle)."""
     plans = [s.to_plan(pool.request_ids) for s in shapes]
-    extra, ratio = [], []
-    for _ in range(rounds):
-        for plan in plans:
-            busy = pool.execute(plan)[0]
-            sleep(idle_s)
-            cold = pool.execute(plan)[0]
-            extra.append(cold - busy)
-            ratio.append(cold / busy)
-    return {"idle_s": idle_s, "extra_s": max(0.0, float(np.median(extra))), "ratio_median": float(np.median(ratio)),
-            "pairs": len(extra)}
+    extra: dict[float, list[float]] = {idle: [] for idle, _ in levels}
+    ratio: dict[float, list[float]] = {idle: [] for idle, _ in levels}
+    for r in range(max((rounds for _, rounds in levels), default=0)):
+        for idle, rounds in levels:
+            if r >= rounds:
+                continue
+            for plan in plans:
+                busy = pool.execute(plan)[0]
+                sleep(idle)
+                cold = pool.execute(plan)[0]
+                extra[idle].append(cold - busy)
+                ratio[idle].append(cold / busy)
+    return {"levels": [{"idle_s": idle, "extra_s": max(0.0, float(np.median(extra[idle]))),
+                        "ratio_median": float(np.median(ratio[idle])), "pairs": len(extra[idle])}
+                       for idle, _ in levels if extra[idle]]}
 
 
 IDLE_SHAPES = (Shape("decode", decode_contexts=(64,)), Shape("prefill", chunks=((16, 0, True),)),

@@ -58,8 +58,8 @@ class SimExecutor(Protocol):
 
 class CostModelExecutor:
     """A step spends ``before_call_s`` (scheduling, packing) before its model call, as the real
-    loop does; the call takes ``predict(plan)`` (plus the profile's ``after_idle_s`` extra when the
-    engine sat idle before it) and its tokens come out at its end; the rest of
+    loop does; the call takes ``predict(plan)`` (plus the profile's ``after_idle`` extra for as long as
+    the engine sat idle before it) and its tokens come out at its end; the rest of
     ``step_overhead_s`` (sampling bookkeeping, the loop) passes before the next step can start.
     ``time_scale`` stretches all of it (not how long a rest must be to cost the extra: arrivals
     set that): the same machine that much slower (or faster, below 1), for asking how much a
@@ -73,8 +73,7 @@ class CostModelExecutor:
         self._predict = cost_model.predict
         self._before = cost_model.before_call_s * time_scale
         self._after = (cost_model.step_overhead_s - cost_model.before_call_s) * time_scale
-        self._idle_after_s, idle_extra_s = cost_model.after_idle_s
-        self._idle_extra_s = idle_extra_s * time_scale
+        self._after_idle = cost_model.after_idle
         self._idle_s = 0.0
         self._decode_terms: dict[int, tuple[float, float]] = {}  # by count: (fixed, per context), scaled
         self._decode_costs: dict[int, tuple[float, float, float, float]] = {}  # by count: a run's costs
@@ -107,7 +106,7 @@ class CostModelExecutor:
     def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:
         duration = self.call_s(plan)
         if self._idle_s:  # the first call after the engine sat idle (threads asleep, caches cold)
-            duration += self._idle_extra_s if self._idle_s >= self._idle_after_s else 0.0
+            duration += self._after_idle.extra(self._idle_s) * self.time_scale
             self._idle_s = 0.0
         end = start_s + self._before + duration
         return StepResult(None, duration, end, end + self._after)

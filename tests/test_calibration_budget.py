@@ -95,6 +95,9 @@ def test_the_pilot_prices_the_grid_and_the_plan_leaves_room_for_the_rest():
     assert plan.budget_s == pytest.approx(left, abs=0.5)  # what the extra rounds may run up to ...
     assert plan.predicted_s <= (1 - EXTRA_SHARE) * plan.budget_s  # ... the base rounds planned below it
     assert plan.cuts and plan.to_dict()["repeats_by_shape"] == plan.repeats
+    # the after-idle sleeps come off what is left to measure
+    slept = plan_to_budget(PricedPool(0.01), FULL, cfg, 3, time.perf_counter() - 10.0, set_aside_s=28.0)
+    assert slept.budget_s == pytest.approx(left - 28.0, abs=0.5) and slept.predicted_s < plan.predicted_s
     unbounded = plan_to_budget(PricedPool(0.01), FULL, CalibrationConfig(time_budget_s=None), 3, time.perf_counter())
     assert unbounded.shapes == FULL and unbounded.budget_s is None and unbounded.to_dict()["predicted_s"] is None
 

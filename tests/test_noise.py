@@ -204,12 +204,17 @@ def test_a_call_still_contended_after_its_retries_is_kept_flagged_and_left_out_o
     assert c.typical_s == 1.0 and all(c.contended)  # nothing undisturbed: all of them count
 
 
-def test_after_idle_is_the_median_extra_of_a_call_after_a_sleep_over_the_same_call_back_to_back():
-    from calibration.profiler import measure_after_idle
+def test_after_idle_is_the_median_extra_per_idle_length_each_taken_in_turn_within_a_round():
+    from calibration.profiler import after_idle_sleep_s, measure_after_idle
 
     slept = []
-    pool = FakePool({"a": [(1.0, False), (1.2, False)] * 3, "b": [(2.0, False), (2.1, False)] * 3})
-    out = measure_after_idle(pool, [SHAPES["a"], SHAPES["b"]], idle_s=0.1, rounds=3, sleep=slept.append)
-    assert slept == [0.1] * 6 and out["pairs"] == 6
-    assert out["extra_s"] == pytest.approx(0.15)  # median of 0.2 ×3 and 0.1 ×3
-    assert out["idle_s"] == 0.1
+    pool = FakePool({"a": [(1.0, False), (1.2, False)] * 4, "b": [(2.0, False), (2.1, False)] * 4})
+    levels = ((0.1, 3), (2.0, 1))
+    out = measure_after_idle(pool, [SHAPES["a"], SHAPES["b"]], levels, sleep=slept.append)
+    # round 0 takes both idle lengths, rounds 1 and 2 the short one only
+    assert slept == [0.1, 0.1, 2.0, 2.0, 0.1, 0.1, 0.1, 0.1]
+    assert sum(slept) == pytest.approx(after_idle_sleep_s(2, levels))
+    short, long = out["levels"]
+    assert (short["idle_s"], short["pairs"], long["idle_s"], long["pairs"]) == (0.1, 6, 2.0, 2)
+    assert short["extra_s"] == pytest.approx(0.15)  # median of 0.2 ×3 and 0.1 ×3
+    assert long["extra_s"] == pytest.approx(0.15) and long["ratio_median"] == pytest.approx((1.2 + 2.1 / 2) / 2)

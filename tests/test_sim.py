@@ -115,6 +115,32 @@ def test_the_first_call_after_the_engine_sat_idle_costs_the_profiles_extra():
     assert c.token_times_s == pytest.approx((1.55, 1.65))  # arrived while b ran: never idle
 
 
+
+def test_the_first_call_after_idle_costs_more_the_longer_the_engine_sat():
+    # measured at 0.1, 1 and 10 s of idle: 0, 0.02 and 0.05 s more (calibration.profiler.measure_after_idle)
+    levels = [{"idle_s": 0.1, "extra_s": 0.0}, {"idle_s": 1.0, "extra_s": 0.02}, {"idle_s": 10.0, "extra_s": 0.05}]
+    cost = replace(cost_model_from(const=0.1), info={"after_idle": {"levels": levels}})
+    requests = [Request("a", range(4), 1, arrival_s=2.0), Request("b", range(4), 1, arrival_s=30.0),
+                Request("c", range(4), 1, arrival_s=30.15 + 10 ** 0.5)]
+    sim = simulate(requests, SchedulerConfig(name="serial"), lambda: CostModelExecutor(cost))
+    a, b, c = sim.records
+    assert a.token_times_s[0] == pytest.approx(2.0 + 0.1 + 0.02 + 0.03 * math.log10(2))  # 2 s idle: log-linear
+    assert b.token_times_s[0] == pytest.approx(30.0 + 0.1 + 0.05)  # ~28 s: the longest measured idle's extra
+    assert c.token_times_s[0] == pytest.approx(c.arrival_s + 0.1 + 0.035)  # √10 s: halfway from 1 to 10 s
+
+
+def test_after_idle_reads_old_and_new_profiles_and_never_costs_less_after_a_longer_idle():
+    from calibration.cost_model import AfterIdle
+
+    assert AfterIdle.of({}).extra(100.0) == 0.0  # profiles from before it was measured
+    one = AfterIdle.of({"after_idle": {"idle_s": 0.1, "extra_s": 0.03, "pairs": 20}})
+    assert (one.extra(0.09), one.extra(0.1), one.extra(50.0)) == (0.0, 0.03, 0.03)
+    noisy = AfterIdle.of({"after_idle": {"levels": [{"idle_s": 4.0, "extra_s": 0.01}, {"idle_s": 0.1, "extra_s": -0.002},
+                                                    {"idle_s": 1.0, "extra_s": 0.02}]}})
+    assert noisy.idle_s == (0.1, 1.0, 4.0) and noisy.extra_s == (0.0, 0.02, 0.02)  # sorted, ≥ 0, never falling
+    xs = [0.05 * 1.2 ** i for i in range(40)]
+    assert all(noisy.extra(x) <= noisy.extra(y) for x, y in zip(xs, xs[1:]))
+
 SCHEDULERS = st.sampled_from([
     SchedulerConfig(name="serial", max_num_seqs=4),
     SchedulerConfig(name="static", max_num_seqs=4),
