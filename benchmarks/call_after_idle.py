@@ -17,14 +17,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, not an installed copy
 
-from calibration.grid import Shape  # noqa: E402
+from calibration.grid import GRID_SPECS, Shape  # noqa: E402
 from calibration.profiler import ShapePool, make_runner  # noqa: E402
 from engine.core.config import ModelConfig  # noqa: E402
 
 SHAPES = {"decode B=1 @64": Shape("decode", decode_contexts=(64,)),
           "decode B=4 @64": Shape("decode", decode_contexts=(64,) * 4),
           "prefill 32": Shape("prefill", chunks=((32, 0, True),))}
-GAPS_S = (0.0, 0.1, 0.5, 1.5, 4.0)  # the full grid's idle lengths (calibration.grid.GridSpec.idle_levels)
+GAPS_S = (0.0, *(idle for idle, _ in GRID_SPECS["full"].idle_levels))  # back to back, and the full grid's idles
 
 
 def main() -> None:

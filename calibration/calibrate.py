@@ -174,7 +174,8 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     runner = make_runner(model_config, slots, max_len)
     pool = ShapePool(runner, slots, max_len, seed=cfg.seed)
     idle_shapes = [s for s in IDLE_SHAPES if s.max_len <= max_len and s.num_requests <= slots]
-    plan = plan_to_budget(pool, shapes, cfg, spec.repeats, t0, after_idle_sleep_s(len(idle_shapes), spec.idle_levels))
+    idle_levels = idle_levels_in_budget(spec.idle_levels, len(idle_shapes), cfg.time_budget_s)
+    plan = plan_to_budget(pool, shapes, cfg, spec.repeats, t0, after_idle_sleep_s(len(idle_shapes), idle_levels))
     # with a time budget, what it leaves for measuring bounds the retries and extra rounds too
     robust = cfg.robust if plan.budget_s is None else replace(cfg.robust, budget_s=plan.budget_s)
     stamp = functools.partial(memory_read_gb_s, device=runner.device)  # fresh memory where the weights sit
@@ -182,7 +183,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     with MemoryStamp(runner.device, weights) as memory:
         measurements, mlog = measure_shapes(pool, plan.shapes, plan.repeats, plan.warmups, cfg.seed,
                                             cfg.progress, robust, stamp)
-        after_idle = measure_after_idle(pool, idle_shapes, spec.idle_levels)
+        after_idle = measure_after_idle(pool, idle_shapes, idle_levels)
         log.info("a call after idle costs more by " + ", ".join(
             f"{1e3 * level['extra_s']:.1f} ms after {level['idle_s']:g} s" for level in after_idle["levels"]))
         pool.release()
@@ -250,10 +251,24 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
 
 
 # the share of the time budget the grid's measuring may take (the engine runs, the after-idle pairs'
-# calls and the fit take the rest, the after-idle sleeps come off it); of the measuring, the base rounds are planned to leave EXTRA_SHARE
-# for the extra rounds of the shapes that spread wide
+# calls and the fit take the rest, the after-idle sleeps come off it); of the measuring, the base
+# rounds are planned to leave EXTRA_SHARE for the extra rounds of the shapes that spread wide
 MEASURE_SHARE = 0.8
 EXTRA_SHARE = 0.15
+# the most of the time budget the after-idle sleeps may take: past it the longest idle lengths go
+IDLE_SHARE = 0.15
+
+
+def idle_levels_in_budget(levels: tuple[tuple[float, int], ...], num_shapes: int,
+                          time_budget_s: float | None) -> tuple[tuple[float, int], ...]:
+    """The grid's after-idle lengths whose sleeps fit IDLE_SHARE of the time budget, dropping the
+    longest first (the shortest is always kept: a serving loop's most common rest)."""
+    kept = sorted(levels)
+    while (time_budget_s is not None and len(kept) > 1
+           and after_idle_sleep_s(num_shapes, kept) > IDLE_SHARE * time_budget_s):
+        dropped = kept.pop()
+        log.info(f"after-idle: {dropped[0]:g} s left out to fit the time budget of {time_budget_s:g} s")
+    return tuple(kept)
 
 
 def plan_to_budget(pool: ShapePool, shapes: list, cfg: CalibrationConfig, grid_repeats: int,

@@ -138,11 +138,13 @@ class AfterIdle:
 
     @classmethod
     def of(cls, info: dict) -> AfterIdle:
-        """From a profile's info; profiles from before the idle lengths have one, older ones none."""
+        """From a profile's info; profiles from before the idle lengths have one, older ones none (a
+        length of 0 or less would be no idle, and is left out)."""
         part = info.get("after_idle")
         if not part:
             return cls()
-        levels = sorted(part.get("levels") or [part], key=lambda level: level["idle_s"])
+        levels = sorted((level for level in (part["levels"] if "levels" in part else [part]) if level["idle_s"] > 0),
+                        key=lambda level: level["idle_s"])
         extra, at_least = [], 0.0
         for level in levels:
             at_least = max(at_least, level["extra_s"])

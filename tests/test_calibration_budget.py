@@ -155,3 +155,15 @@ def test_per_shape_warm_ups_and_repeats_are_the_calls_made():
 def test_a_budget_that_is_not_positive_is_refused():
     with pytest.raises(ValueError, match="time_budget_s"):
         CalibrationConfig(time_budget_s=0.0)
+
+
+def test_the_longest_idle_lengths_go_when_their_sleeps_outgrow_their_share_of_the_budget():
+    from calibration.calibrate import IDLE_SHARE, idle_levels_in_budget
+    from calibration.grid import GRID_SPECS
+    from calibration.profiler import after_idle_sleep_s
+
+    full = GRID_SPECS["full"].idle_levels  # 4 shapes: 28 s of sleep
+    assert idle_levels_in_budget(full, 4, 300.0) == full and idle_levels_in_budget(full, 4, None) == full
+    kept = idle_levels_in_budget(full, 4, 60.0)  # 9 s for the sleeps: 4 s and 1.5 s go
+    assert kept == full[:2] and after_idle_sleep_s(4, kept) <= IDLE_SHARE * 60.0
+    assert idle_levels_in_budget(full, 4, 1.0) == full[:1]  # the shortest stays, whatever the budget

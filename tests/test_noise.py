@@ -208,7 +208,10 @@ def test_after_idle_is_the_median_extra_per_idle_length_each_taken_in_turn_withi
     from calibration.profiler import after_idle_sleep_s, measure_after_idle
 
     slept = []
-    pool = FakePool({"a": [(1.0, False), (1.2, False)] * 4, "b": [(2.0, False), (2.1, False)] * 4})
+    # round 0: a 0.1 s pair of each shape, then a 2 s pair of each; rounds 1 and 2: 0.1 s pairs
+    a = [(1.0, False), (1.2, False), (1.0, False), (1.6, False)] + [(1.0, False), (1.2, False)] * 2
+    b = [(2.0, False), (2.1, False), (2.0, False), (2.4, False)] + [(2.0, False), (2.1, False)] * 2
+    pool = FakePool({"a": a, "b": b})
     levels = ((0.1, 3), (2.0, 1))
     out = measure_after_idle(pool, [SHAPES["a"], SHAPES["b"]], levels, sleep=slept.append)
     # round 0 takes both idle lengths, rounds 1 and 2 the short one only
@@ -217,4 +220,4 @@ def test_after_idle_is_the_median_extra_per_idle_length_each_taken_in_turn_withi
     short, long = out["levels"]
     assert (short["idle_s"], short["pairs"], long["idle_s"], long["pairs"]) == (0.1, 6, 2.0, 2)
     assert short["extra_s"] == pytest.approx(0.15)  # median of 0.2 ×3 and 0.1 ×3
-    assert long["extra_s"] == pytest.approx(0.15) and long["ratio_median"] == pytest.approx((1.2 + 2.1 / 2) / 2)
+    assert long["extra_s"] == pytest.approx(0.5) and long["ratio_median"] == pytest.approx((1.6 + 2.4 / 2) / 2)

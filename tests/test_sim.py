@@ -115,7 +115,6 @@ def test_the_first_call_after_the_engine_sat_idle_costs_the_profiles_extra():
     assert c.token_times_s == pytest.approx((1.55, 1.65))  # arrived while b ran: never idle
 
 
-
 def test_the_first_call_after_idle_costs_more_the_longer_the_engine_sat():
     # measured at 0.1, 1 and 10 s of idle: 0, 0.02 and 0.05 s more (calibration.profiler.measure_after_idle)
     levels = [{"idle_s": 0.1, "extra_s": 0.0}, {"idle_s": 1.0, "extra_s": 0.02}, {"idle_s": 10.0, "extra_s": 0.05}]
@@ -127,6 +126,10 @@ def test_the_first_call_after_idle_costs_more_the_longer_the_engine_sat():
     assert a.token_times_s[0] == pytest.approx(2.0 + 0.1 + 0.02 + 0.03 * math.log10(2))  # 2 s idle: log-linear
     assert b.token_times_s[0] == pytest.approx(30.0 + 0.1 + 0.05)  # ~28 s: the longest measured idle's extra
     assert c.token_times_s[0] == pytest.approx(c.arrival_s + 0.1 + 0.035)  # √10 s: halfway from 1 to 10 s
+    # a machine 1.5× slower takes 1.5× the extra too, after the same rest
+    slow = simulate([Request("a", range(4), 1, arrival_s=2.0)], SchedulerConfig(name="serial"),
+                    lambda: CostModelExecutor(cost, 1.5))
+    assert slow.records[0].token_times_s[0] == pytest.approx(2.0 + 1.5 * (0.1 + 0.02 + 0.03 * math.log10(2)))
 
 
 def test_after_idle_reads_old_and_new_profiles_and_never_costs_less_after_a_longer_idle():
@@ -140,6 +143,10 @@ def test_after_idle_reads_old_and_new_profiles_and_never_costs_less_after_a_long
     assert noisy.idle_s == (0.1, 1.0, 4.0) and noisy.extra_s == (0.0, 0.02, 0.02)  # sorted, ≥ 0, never falling
     xs = [0.05 * 1.2 ** i for i in range(40)]
     assert all(noisy.extra(x) <= noisy.extra(y) for x, y in zip(xs, xs[1:]))
+    # no idle length measured (no idle shape fit the grid), or a length of 0: no extra, no error
+    assert AfterIdle.of({"after_idle": {"levels": []}}).extra(10.0) == 0.0
+    zero = AfterIdle.of({"after_idle": {"levels": [{"idle_s": 0.0, "extra_s": 0.01}, {"idle_s": 1.0, "extra_s": 0.02}]}})
+    assert (zero.idle_s, zero.extra(0.5), zero.extra(2.0)) == ((1.0,), 0.0, 0.02)
 
 SCHEDULERS = st.sampled_from([
     SchedulerConfig(name="serial", max_num_seqs=4),
