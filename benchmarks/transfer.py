@@ -11,8 +11,10 @@ model than the profile's, the physical model transferred to that shape. Prints p
 every real call of the repeats (median, worst) and sim-vs-real throughput, TTFT p50, E2E p50/p99
 against the real runs' median, with half their spread beside it (one real run on this kind of
 machine moves by more than the tolerance: a figure within max(10%, half the spread) is "ok"), once
-at the calibration's bandwidth and once priced at the median bandwidth stamped around the real runs
-(``at_run_bandwidth``). The profile's own model shows the empirical and the physical model side by side.
+at the calibration's bandwidth and once priced at the real runs' bandwidth (``at_run_bandwidth``) as
+``experiments.validate use_run_bandwidth=true`` prices it: the calibration's, scaled by how fast each
+run's own weights read around it against the calibration's (what the calls stream; a fresh
+buffer's stamp can be further off what they saw: docs/architecture.md). The profile's own model shows the empirical and the physical model side by side.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from engine.core.config import ModelConfig, SchedulerConfig  # noqa: E402
 from engine.core.request import Request  # noqa: E402
 from engine.observe.workload import WorkloadConfig, generate, make_requests  # noqa: E402
 from experiments.report_table import format_table  # noqa: E402
-from experiments.validate import row_passes  # noqa: E402
+from experiments.validate import placed_gb_s, row_passes  # noqa: E402
 from sim.executors import CostModelExecutor  # noqa: E402
 from sim.run import load_cost_model, saturation_rate  # noqa: E402
 from sim.simulator import simulate  # noqa: E402
@@ -82,10 +84,14 @@ def run_model(name: str, dtype: str, profile: str, load: float, poisson_requests
         for _ in range(repeats):
             engine.reset(scheduler)
             engine.warmup()
-            with MemoryStamp() as memory:
+            with MemoryStamp(runner.device, runner.decode_weights()) as memory:
                 reals.append(engine.run(make_requests(generate(workload), vocab_size=runner.vocab_size,
                                                       seed=workload.seed)))
-            stamps.append(memory.gb_s)
+            # validate's use_run_bandwidth=true (run_bandwidth=weights): the calibration's bandwidth
+            # scaled by this run's weights' read rate over the calibration's; the fresh buffer's stamp
+            # where either has none
+            placed = placed_gb_s(costs["physical"], {"weights_gb_s": memory.weights_gb_s})
+            stamps.append(memory.gb_s if placed is None else placed)
         real_ms = [real.metrics() for real in reals]
         run_gb_s = statistics.median(stamps)
         steps = [s for real in reals for s in real.steps]
