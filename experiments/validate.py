@@ -12,7 +12,8 @@ scheduler and cap); with ``matrix.arrivals=[]`` the workload runs as given (e.g.
 The real side runs ``matrix.repeats`` times, each repeat in a fresh process that serves every row
 (rows in a different order per repeat, so a slow spell of the machine lands on different rows). A
 run that was contended (other processes used the CPU: calibration.contention, averaged over the
-run; or its memory stamp is more than ``contention.memory_drift`` from the calibration's) is
+run; or its stamped read rate, its weights' where both it and the calibration have one, else a
+fresh buffer's, is more than ``contention.memory_drift`` from the calibration's) is
 flagged and run once more; only the last attempt of each repeat counts, and a re-run that was
 contended again stays flagged (``contended_runs``). Every attempt is in real_runs.csv.
 
@@ -90,7 +91,7 @@ class Contention:
     """When a real run does not count as this machine's own speed (it is flagged and run again once)."""
 
     others_cores: float = CONTENDED_SHARE  # other processes' mean CPU use over the run, in cores
-    memory_drift: float = 0.20  # |run's memory stamp / calibration's − 1|
+    memory_drift: float = 0.20  # |run's read rate / calibration's − 1| (Stamps.judged_against: which stamps)
 
 
 @dataclass
@@ -219,19 +220,37 @@ def rel_error(real: float, sim: float) -> float:
     return (sim - real) / real
 
 
-def contended(others_cores: float, memory_gb_s: float, calibration_gb_s: float, limits: Contention) -> str:
+@dataclass(frozen=True)
+class Stamps:
+    """Read rates around a run or a calibration (calibration.roofline.MemoryStamp): a fresh buffer's,
+    and the model's own decode weights' (None where not stamped: GPUs, older profiles)."""
+
+    memory_gb_s: float
+    weights_gb_s: float | None = None
+
+    def judged_against(self, calibration: Stamps) -> tuple[str, float, float]:
+        """(which, ours, the calibration's): the weights' read rates where both sides have one — they
+        follow what the calls stream, where a fresh buffer's stamp can read 20% off from one process
+        to the next while the calls do not move (docs/architecture.md) — else the fresh buffers'."""
+        if self.weights_gb_s is not None and calibration.weights_gb_s:
+            return "weights", self.weights_gb_s, calibration.weights_gb_s
+        return "memory", self.memory_gb_s, calibration.memory_gb_s
+
+
+def contended(others_cores: float, run: Stamps, calibration: Stamps, limits: Contention) -> str:
     """Why a real run is not this machine's own speed ('' when it is)."""
     reasons = []
     if others_cores > limits.others_cores:
         reasons.append(f"others used {others_cores:.2f} cores")
-    if calibration_gb_s == calibration_gb_s and calibration_gb_s > 0:  # not NaN (old profile)
-        drift = memory_gb_s / calibration_gb_s - 1
+    which, ours, theirs = run.judged_against(calibration)
+    if theirs == theirs and theirs > 0:  # not NaN (old profile)
+        drift = ours / theirs - 1
         if abs(drift) > limits.memory_drift:
-            reasons.append(f"memory {memory_gb_s:.0f} GB/s vs calibration {calibration_gb_s:.0f} ({drift:+.0%})")
+            reasons.append(f"{which} {ours:.0f} GB/s vs calibration {theirs:.0f} ({drift:+.0%})")
     return "; ".join(reasons)
 
 
-def real_run(engine, row: Row, calibration_gb_s: float, limits: Contention) -> dict:
+def real_run(engine, row: Row, calibration: Stamps, limits: Contention) -> dict:
     """One real run of a row: its metrics, the memory bandwidth and others' CPU use around it,
     whether that makes it contended, and its requests (arrival, lengths) for the simulator."""
     engine.reset(row.scheduler)
@@ -240,7 +259,7 @@ def real_run(engine, row: Row, calibration_gb_s: float, limits: Contention) -> d
     with MemoryStamp(engine.runner.device, engine.runner.decode_weights()) as memory, Interval() as others:
         real = engine.run(requests)
     metrics = with_trace(real.metrics(), real.trace_calls(), row.scheduler.max_num_seqs)
-    reason = contended(others.others_cores, memory.gb_s, calibration_gb_s, limits)
+    reason = contended(others.others_cores, Stamps(memory.gb_s, memory.weights_gb_s), calibration, limits)
     return {"metrics": metrics, "memory_gb_s": memory.gb_s, "weights_gb_s": memory.weights_gb_s,
             "others_cores": others.others_cores,
             "contended": bool(reason), "reason": reason,
@@ -252,7 +271,7 @@ def real_run(engine, row: Row, calibration_gb_s: float, limits: Contention) -> d
             "first_tokens": [(r.request_id, r.arrival_s, r.first_scheduled_s, r.token_times_s[0]) for r in real.records]}
 
 
-def real_repeat(app: ValidateApp, rows: list[Row], calibration_gb_s: float, repeat: int) -> list[dict]:
+def real_repeat(app: ValidateApp, rows: list[Row], calibration: Stamps, repeat: int) -> list[dict]:
     """One repeat: a fresh process's engine serves every row (in an order of its own); a
     contended run is run once more, and both attempts are returned."""
     from engine.llm_engine import Engine
@@ -265,7 +284,7 @@ def real_repeat(app: ValidateApp, rows: list[Row], calibration_gb_s: float, repe
     out = []
     for i in order:
         for attempt in range(2):
-            run = {**real_run(engine, rows[i], calibration_gb_s, app.contention), "row": i, "repeat": repeat,
+            run = {**real_run(engine, rows[i], calibration, app.contention), "row": i, "repeat": repeat,
                    "attempt": attempt, "meta": {"workload": rows[i].name, "scheduler": asdict(rows[i].scheduler)}}
             out.append(run)
             print(f"  repeat {repeat} {rows[i].name:14s} {rows[i].scheduler.name:10s} cap={rows[i].scheduler.max_num_seqs}: "
@@ -450,7 +469,8 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
         if {r["row"] for r in runs} != set(range(len(rows))):
             raise ValueError(f"{app.real_runs} holds other rows than this matrix")
     for repeat in range(0 if app.real_runs else app.matrix.repeats):
-        runs += in_fresh_process(real_repeat, app, rows, calibration_gb_s, repeat)  # a fresh process per repeat
+        # a fresh process per repeat
+        runs += in_fresh_process(real_repeat, app, rows, Stamps(calibration_gb_s, weights_read_gb_s(cost.info)), repeat)
     physical = physical_model(cost)
     for r in runs:
         r["calls_gb_s"] = run_calls_gb_s(physical, r)

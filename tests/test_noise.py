@@ -10,7 +10,7 @@ from calibration.noise import noise_report, round_factors
 from calibration.profiler import Robustness, measure_shapes, round_order, trimmed_mean
 from engine.core.config import SchedulerConfig
 from engine.core.request import Request
-from experiments.validate import Contention, contended, counted, row_passes
+from experiments.validate import Contention, Stamps, contended, counted, row_passes
 from sim import CostModelExecutor, simulate
 from sim.bands import band, bands, conformal_band, inside, prediction_ranks, replicates, width
 from sim.executors import NoisyExecutor, cost_model_from
@@ -172,10 +172,22 @@ def test_a_row_passes_within_the_tolerance_or_half_the_real_spread():
 
 def test_contended_names_each_reason_and_old_profiles_skip_the_memory_check():
     limits = Contention(others_cores=0.15, memory_drift=0.2)
-    assert contended(0.1, 50.0, 50.0, limits) == ""
-    assert "cores" in contended(0.5, 50.0, 50.0, limits)
-    assert "memory 35 GB/s vs calibration 50" in contended(0.0, 35.0, 50.0, limits)
-    assert contended(0.0, 35.0, math.nan, limits) == ""
+    assert contended(0.1, Stamps(50.0), Stamps(50.0), limits) == ""
+    assert "cores" in contended(0.5, Stamps(50.0), Stamps(50.0), limits)
+    assert "memory 35 GB/s vs calibration 50" in contended(0.0, Stamps(35.0), Stamps(50.0), limits)
+    assert contended(0.0, Stamps(35.0), Stamps(math.nan), limits) == ""
+
+
+def test_a_run_is_judged_by_its_weights_read_rate_where_both_sides_stamped_one():
+    limits = Contention(others_cores=0.15, memory_drift=0.2)
+    # the fresh buffer read 22% slow but the weights, what the calls stream, 4%: not contended
+    assert contended(0.0, Stamps(22.0, 25.0), Stamps(28.0, 26.0), limits) == ""
+    # the weights read 25% slow while the fresh buffer did not: contended, and the reason says which
+    reason = contended(0.0, Stamps(28.0, 19.0), Stamps(28.0, 26.0), limits)
+    assert "weights 19 GB/s vs calibration 26 (-27%)" in reason
+    # either side without a weights stamp (a GPU, an older profile): the fresh buffers decide
+    assert "memory 22 GB/s" in contended(0.0, Stamps(22.0, 25.0), Stamps(28.0, None), limits)
+    assert "memory 22 GB/s" in contended(0.0, Stamps(22.0, None), Stamps(28.0, 26.0), limits)
 
 
 def test_the_last_attempt_of_each_repeat_counts_and_the_contended_first_stays_out():

@@ -213,7 +213,7 @@ def test_validate_prices_a_row_at_its_real_runs_bandwidth():
     from engine.core.config import SchedulerConfig
     from engine.llm_engine import Engine
     from engine.observe.workload import WorkloadConfig
-    from experiments.validate import Contention, Row, real_run, row_cost, simulate_row
+    from experiments.validate import Contention, Row, Stamps, real_run, row_cost, simulate_row
 
     tiny = ModelConfig(name="tiny", num_threads=1, device="cpu")
     shape = PhysicalShape.of(model_shape(tiny), "float32")
@@ -221,7 +221,7 @@ def test_validate_prices_a_row_at_its_real_runs_bandwidth():
     scheduler = SchedulerConfig(max_num_seqs=4)
     engine = Engine(scheduler, tiny)
     row = Row("seed_burst", scheduler, WorkloadConfig(num_requests=4))
-    run = real_run(engine, row, float("nan"), Contention()) | {"repeat": 0, "attempt": 0}
+    run = real_run(engine, row, Stamps(float("nan")), Contention()) | {"repeat": 0, "attempt": 0}
     at_calibration, _ = simulate_row(row_cost(cost, [run], False), row, run["replay"], 0, 0)
     at_run, _ = simulate_row(row_cost(cost, [run], True), row, run["replay"], 0, 0)
     assert at_calibration["output_throughput_tok_s"] < 0.1 * at_run["output_throughput_tok_s"]
