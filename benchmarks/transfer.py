@@ -14,7 +14,9 @@ machine moves by more than the tolerance: a figure within max(10%, half the spre
 at the calibration's bandwidth and once priced at the real runs' bandwidth (``at_run_bandwidth``) as
 ``experiments.validate use_run_bandwidth=true`` prices it: the calibration's, scaled by how fast each
 run's own weights read around it against the calibration's (what the calls stream; a fresh
-buffer's stamp can be further off what they saw: docs/architecture.md). The profile's own model shows the empirical and the physical model side by side.
+buffer's stamp can be further off what they saw: docs/architecture.md), the fresh buffer's stamp
+where the two cannot be compared (a profile calibrated in another dtype). The profile's own model
+shows the empirical and the physical model side by side.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def run_model(name: str, dtype: str, profile: str, load: float, poisson_requests
                                                       seed=workload.seed)))
             # validate's use_run_bandwidth=true (run_bandwidth=weights): the calibration's bandwidth
             # scaled by this run's weights' read rate over the calibration's; the fresh buffer's stamp
-            # where either has none
+            # where the two cannot be compared (no stamp, or a profile in another dtype)
             placed = placed_gb_s(costs["physical"], {"weights_gb_s": memory.weights_gb_s})
             stamps.append(memory.gb_s if placed is None else placed)
         real_ms = [real.metrics() for real in reals]
@@ -104,7 +106,7 @@ def run_model(name: str, dtype: str, profile: str, load: float, poisson_requests
                 sim_m = sim_metrics(c, reals[0], scheduler)  # every repeat serves the same arrivals
                 rec = {"model": name, "row": row, "cost": kind + (" @run GB/s" if priced == "run" else ""),
                        "calls": len(reals[0].steps), "repeats": repeats, "call_median": float(np.median(errs)),
-                       "call_worst": float(errs.max()), "memory_gb_s": run_gb_s, "memory_gb_s_runs": stamps,
+                       "call_worst": float(errs.max()), "run_gb_s": run_gb_s, "run_gb_s_runs": stamps,
                        "calibration_gb_s": cost.memory_read_gb_s}
                 for metric, read in METRICS:
                     values = [read(m) for m in real_ms]
@@ -115,7 +117,7 @@ def run_model(name: str, dtype: str, profile: str, load: float, poisson_requests
                     rec[metric + "_half_spread"] = (max(values) - min(values)) / 2 / median  # shown beside it
                 out.append(rec)
         print(f"  {name} {row}: real {statistics.median(m['output_throughput_tok_s'] for m in real_ms):.2f} tok/s "
-              f"(median of {repeats}), {len(reals[0].steps)} calls, memory {min(stamps):.0f}-{max(stamps):.0f} GB/s",
+              f"(median of {repeats}), {len(reals[0].steps)} calls, priced at {min(stamps):.0f}-{max(stamps):.0f} GB/s",
               flush=True)
     del engine, runner
     gc.collect()
@@ -146,7 +148,7 @@ def main() -> None:
          "GB/s run/cal"],
         [[r["model"], r["row"], r["cost"], r["calls"], f"{100 * r['call_median']:.1f}%",
           f"{100 * r['call_worst']:.1f}%", *(cell(r, m) for m, _ in METRICS),
-          f"{r['memory_gb_s']:.0f}/{r['calibration_gb_s']:.0f}"] for r in records]))
+          f"{r['run_gb_s']:.0f}/{r['calibration_gb_s']:.0f}"] for r in records]))
     ok = sum(r[m + "_ok"] for r in records for m, _ in METRICS)
     print(f"end to end within max({TOLERANCE:.0%}, half the real spread): {ok} of {len(records) * len(METRICS)} "
           f"(! marks the others); errors against the median of {args.repeats} real runs per row")

@@ -340,12 +340,22 @@ def run_gb_s(run: dict, source: str = "calls") -> float:
     return run["memory_gb_s"]
 
 
+def calibration_weights_gb_s(cost: AnyCostModel) -> float | None:
+    """The calibration's own weights' read rate where a run's can be judged against it: None where
+    the profile was calibrated in another dtype than this cost model runs (a transfer: a bf16 sum
+    reads slower than an fp32 one, so the two rates would differ by the dtype alone)."""
+    transfer = cost.info.get("transfer")
+    if transfer and transfer.get("from_dtype") != transfer.get("to_dtype"):
+        return None
+    return weights_read_gb_s(cost.info)
+
+
 def placed_gb_s(cost: AnyCostModel, run: dict) -> float | None:
     """The calibration's read bandwidth scaled by how fast this run's own decode weights read
     against the calibration's (calibration.roofline.MemoryStamp): a process whose weights landed in
     slower or faster memory than the calibration's, or a spell around the run, moves it, and the
     run's calls do not (unlike ``calls_gb_s``). None where either side has no weights stamp."""
-    ours, theirs, memory = run.get("weights_gb_s"), weights_read_gb_s(cost.info), cost.memory_read_gb_s
+    ours, theirs, memory = run.get("weights_gb_s"), calibration_weights_gb_s(cost), cost.memory_read_gb_s
     if ours is None or theirs is None or memory is None:
         return None
     return memory * ours / theirs
@@ -470,7 +480,8 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
             raise ValueError(f"{app.real_runs} holds other rows than this matrix")
     for repeat in range(0 if app.real_runs else app.matrix.repeats):
         # a fresh process per repeat
-        runs += in_fresh_process(real_repeat, app, rows, Stamps(calibration_gb_s, weights_read_gb_s(cost.info)), repeat)
+        stamps = Stamps(calibration_gb_s, calibration_weights_gb_s(cost))
+        runs += in_fresh_process(real_repeat, app, rows, stamps, repeat)
     physical = physical_model(cost)
     for r in runs:
         r["calls_gb_s"] = run_calls_gb_s(physical, r)

@@ -101,3 +101,20 @@ def test_validate_rows_carry_the_runs_weights_stamp():
     assert {r["weights_gb_s"] for r in recs} == {18.0} and {r["calibration_weights_gb_s"] for r in recs} == {21.0}
     old = [{k: v for k, v in r.items() if k != "weights_gb_s"} for r in runs]
     assert all(math.isnan(r["weights_gb_s"]) for r in compare_row(row, old, metrics, [], tol, 20.0))
+
+
+def test_a_transfer_across_dtypes_has_no_weights_stamp_to_judge_runs_by():
+    from types import SimpleNamespace
+
+    from experiments.validate import calibration_weights_gb_s, placed_gb_s
+
+    stamped = {"weights_read_gb_s": {"before": 20.0, "after": 22.0}}
+    own = SimpleNamespace(info=stamped, memory_read_gb_s=30.0)
+    same = SimpleNamespace(info={**stamped, "transfer": {"from_dtype": "bfloat16", "to_dtype": "bfloat16"}},
+                           memory_read_gb_s=30.0)
+    other = SimpleNamespace(info={**stamped, "transfer": {"from_dtype": "float32", "to_dtype": "bfloat16"}},
+                            memory_read_gb_s=30.0)
+    assert calibration_weights_gb_s(own) == calibration_weights_gb_s(same) == pytest.approx(21.0)
+    assert calibration_weights_gb_s(other) is None  # a bf16 sum reads slower than an fp32 one
+    run = {"weights_gb_s": 23.1}
+    assert placed_gb_s(same, run) == pytest.approx(30.0 * 23.1 / 21.0) and placed_gb_s(other, run) is None
