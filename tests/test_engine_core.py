@@ -125,3 +125,19 @@ def test_bad_and_duplicate_requests_are_refused_and_nothing_accepted_is_lost():
     with pytest.raises(ValueError, match="exceeds max_model_len"):
         core.add(Request("long", list(range(60)), 10))
     assert [r.request_id for r in core.arrivals] == ["r0", "r1"] and core.has_unfinished
+
+
+def test_a_request_already_served_is_refused_not_served_again_with_its_old_times():
+    from sim import ConstantExecutor, simulate
+
+    requests = create_requests(2)
+    first = simulate(requests, SchedulerConfig(name="continuous"), lambda: ConstantExecutor(0.1))
+    assert len(first.records) == 2
+    # a Request carries its run's progress: a second run would have reported the first one's times
+    with pytest.raises(ValueError, match="r0: already served or in progress .FINISHED_LENGTH"):
+        simulate(requests, SchedulerConfig(name="continuous"), lambda: ConstantExecutor(0.2))
+    core = EngineCore(SchedulerConfig(name="continuous"))
+    core.add(fresh := create_requests(1, prefix="new")[0])
+    with pytest.raises(ValueError, match="already served"):
+        core.add(requests[1])
+    assert [r.request_id for r in core.arrivals] == [fresh.request_id]  # what was accepted stays

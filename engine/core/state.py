@@ -55,6 +55,12 @@ class ServingState:
         cfg = self.config
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
+        if (request.status != RequestStatus.WAITING or request.lane is not None or request.num_computed_tokens
+                or request.first_scheduled_s is not None):
+            # a Request carries its run's progress: served again, it would keep the first run's times
+            raise ValueError(f"request {request.request_id}: already served or in progress "
+                             f"({request.status.name}, {request.num_output_tokens} tokens out); a run takes fresh "
+                             f"requests")
         if request.max_total_tokens > cfg.max_model_len:
             raise ValueError(
                 f"request {request.request_id}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
