@@ -387,8 +387,12 @@ bool amx_permitted() {  // Linux hands a process the tiles' state only on reques
 }
 
 bool cpu_has_amx() {
-  unsigned a, b, c, d;  // CPUID 7.0 EDX: bit 22 AMX-BF16, bit 24 AMX-TILE (older compilers' cpu_supports lack them)
-  const bool tiles = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1);
+  // CPUID 7.0 EDX: bit 22 AMX-BF16, bit 24 AMX-TILE (older compilers' cpu_supports lack them). Read
+  // once: in a VM every CPUID traps to the hypervisor, and each gemv call with amx_rows checks this
+  static const bool tiles = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1);
+  }();
   return cpu_has_avx512_bf16() && allow_amx_bf16().load(std::memory_order_relaxed) && tiles && amx_permitted();
 }
 
