@@ -275,7 +275,8 @@ def plan_to_budget(pool: ShapePool, shapes: list, cfg: CalibrationConfig, grid_r
                    started_at: float, set_aside_s: float = 0.0) -> MeasurePlan:
     """Price the grid's calls with two pilot calls and thin it to what ``cfg.time_budget_s`` leaves
     for measuring since ``started_at`` (``time.perf_counter()``; calibration.budget) less
-    ``set_aside_s`` (the after-idle sleeps); the plan's cuts are logged. A pilot call timed while others used the CPU is timed again."""
+    ``set_aside_s`` (the after-idle sleeps); the plan's cuts are logged. A pilot call timed while
+    others used the CPU is timed again."""
     repeats = cfg.repeats or grid_repeats
     if cfg.time_budget_s is None:
         return plan_measurement(shapes, [0.0] * len(shapes), repeats, cfg.warmup, None)

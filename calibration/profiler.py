@@ -257,9 +257,9 @@ def measure_after_idle(pool: ShapePool, shapes: list[Shape], levels: Sequence[tu
     """What a model call costs more right after the engine sat idle than the same call back to
     back, at each of ``levels`` (idle seconds, rounds: calibration.grid.GridSpec.idle_levels): the
     median over ``shapes`` × rounds of (after idle − back to back), each pair timed one after the
-    other, the idle lengths taken in turn within a round so a spell of the machine falls on all. The grid times calls back
-    to back, so without this the first call after idle is predicted too fast
-    (calibration.cost_model.AfterIdle)."""
+    other, the idle lengths taken in turn within a round so a spell of the machine falls on all.
+    The grid times calls back to back, so without this the first call after idle is predicted too
+    fast (calibration.cost_model.AfterIdle)."""
     plans = [s.to_plan(pool.request_ids) for s in shapes]
     extra: dict[float, list[float]] = {idle: [] for idle, _ in levels}
     ratio: dict[float, list[float]] = {idle: [] for idle, _ in levels}

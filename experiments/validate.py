@@ -478,10 +478,9 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
         runs = json.loads(Path(app.real_runs).read_text())
         if {r["row"] for r in runs} != set(range(len(rows))):
             raise ValueError(f"{app.real_runs} holds other rows than this matrix")
+    stamps = Stamps(calibration_gb_s, calibration_weights_gb_s(cost))  # what each run is judged against
     for repeat in range(0 if app.real_runs else app.matrix.repeats):
-        # a fresh process per repeat
-        stamps = Stamps(calibration_gb_s, calibration_weights_gb_s(cost))
-        runs += in_fresh_process(real_repeat, app, rows, stamps, repeat)
+        runs += in_fresh_process(real_repeat, app, rows, stamps, repeat)  # a fresh process per repeat
     physical = physical_model(cost)
     for r in runs:
         r["calls_gb_s"] = run_calls_gb_s(physical, r)

@@ -114,7 +114,8 @@ def test_bf16_runs_and_stays_close_to_fp32_reference():
     assert sum(r.num_output_tokens for r in state.finished) == sum(r.max_tokens for r in mixed_requests(512))
 
 
-@pytest.mark.skipif(not engine_kernels.gemv_amx(torch.bfloat16), reason="the gemv's AMX tiles need a CPU with AMX-BF16 (as masked)")
+@pytest.mark.skipif(not engine_kernels.gemv_amx(torch.bfloat16),
+                    reason="the gemv's AMX tiles need a CPU with AMX-BF16 (as masked)")
 def test_bf16_steps_on_amx_tiles_match_the_vector_gemv(monkeypatch):
     """The same mixed steps with the gemv forced onto AMX tiles and off them: one model, bf16
     rounding apart (the tiles may add a k pair's two products in the other order)."""
