@@ -19,7 +19,8 @@ import statistics
 import torch
 from calls import alternate, kernel_bench_args, time_alternating
 
-from engine.model.attention import RaggedBatch, ragged_attention
+from engine.model import kernels
+from engine.model.attention import KERNEL_PHASES, RaggedBatch, ragged_attention
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.model.runner import ModelRunner
 
@@ -65,7 +66,7 @@ def chunk_rates(runner: ModelRunner, kernel, dtype: torch.dtype, repeats: int) -
 
 def model_calls(runner: ModelRunner, kernel, dtype_name: str, repeats: int) -> list[str]:
     def switch(on: bool) -> None:
-        runner.decode_attention = kernel if on else None
+        runner.attention_kernel, runner.kernel_phases = (kernel, KERNEL_PHASES) if on else (None, frozenset())
 
     last = []
     for b, ctx in CALL_SHAPES:
@@ -82,7 +83,9 @@ def main() -> None:
     for d in args.dtypes.split(","):
         runner = ModelRunner(ModelConfig(name=args.model, dtype=d, num_threads=args.threads),
                              SchedulerConfig(max_num_seqs=32, max_model_len=4160))
-        kernel = runner.decode_attention
+        kernel = kernels.decode_attention(getattr(torch, d), runner.cache.keys[0].shape[-1])
+        print(f"{d}: the dispatch table has the kernel attend {sorted(runner.kernel_phases) or 'no phase'} "
+              "of a step here, SDPA the rest")
         if kernel is None:
             print(f"{d}: no decode attention kernel on this machine (needs AVX-512 and a C++ compiler); "
                   "decodes attend with SDPA")

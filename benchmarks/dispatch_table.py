@@ -1,5 +1,6 @@
 """The dispatch table this machine chose (engine/model/kernels/dispatch.py): per dtype, each linear
-candidate's time per row class and the one chosen, and decode attention's kernel against SDPA.
+candidate's time per row class and the one chosen, and each phase's attention (decodes, a prefill
+chunk): miniserve's kernel against SDPA.
 
 The first run on a machine measures it (a few seconds per dtype) and caches it beside the compiled
 kernels; later runs print the cached table (``--remeasure`` times it again).
@@ -56,11 +57,14 @@ def main() -> None:
         for rows, t in table.timings[d].get("gemv_prefetch", {}).items():
             print(f"{d}: gemv prefetch at {rows} rows: " + ", ".join(f"{k} {1e3 * s:.3f} ms" for k, s in t.items()))
         print(f"{d}: gemv tuning chosen: {tuning}")
-        att = table.timings[d]["attention"]
-        print(f"{d}: decode attention (8 x 256 keys): " + ", ".join(f"{c} {1e3 * t:.3f} ms" for c, t in att.items())
-              + f" -> {table.attention[d]}")
+        shapes = {"decode": "8 decodes x 256 keys", "prefill": "a 128-token chunk after 128"}
+        for phase in dispatch.PHASES:
+            att = table.timings[d]["attention"][phase]
+            print(f"{d}: {phase} attention ({shapes[phase]}): "
+                  + ", ".join(f"{c} {1e3 * t:.3f} ms" for c, t in att.items())
+                  + f" -> {table.attention_choice(dtype, phase)}")
         print(f"dispatch_{d}=" + ",".join(f"{r}:{c}" for r, c in zip(dispatch.ROW_CLASSES, table.linear[d]))
-              + f";attention:{table.attention[d]}")
+              + "".join(f";{p}_attention:{table.attention_choice(dtype, p)}" for p in dispatch.PHASES))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import torch
 from engine.model import kernels
 from engine.model.kernels import GemvTuning, dispatch
 
+KERNEL = {"decode": "kernel", "prefill": "kernel"}  # a table's attention: both phases by the kernel
+SDPA = {"decode": "sdpa", "prefill": "sdpa"}
 CLASSES = dispatch.ROW_CLASSES
 
 
@@ -56,7 +58,7 @@ def test_a_table_cached_for_another_machine_is_measured_again(tmp_path, monkeypa
     key = dispatch.machine_key()
     path = tmp_path / "dispatch.json"
     other = dict(key, cpu="Some Other CPU", detected=["avx2"])
-    dispatch.save_table(path, dispatch.Table(other, {"float32": ["torch"] * len(CLASSES)}, {"float32": "sdpa"}))
+    dispatch.save_table(path, dispatch.Table(other, {"float32": ["torch"] * len(CLASSES)}, {"float32": SDPA}))
     assert dispatch.load_table(path, key) is None
     assert dispatch.load_table(path, other).linear["float32"] == ["torch"] * len(CLASSES)
     assert dispatch.table_path(key) != dispatch.table_path(other)  # and it would not be looked up at all
@@ -65,7 +67,7 @@ def test_a_table_cached_for_another_machine_is_measured_again(tmp_path, monkeypa
 
     def measure(dtype, table):
         measured.append(dtype)
-        table.linear["float32"], table.attention["float32"] = ["onednn"] * len(CLASSES), "kernel"
+        table.linear["float32"], table.attention["float32"] = ["onednn"] * len(CLASSES), KERNEL
         return True  # settled: cached
 
     monkeypatch.setattr(dispatch, "table_path", lambda k: path)
@@ -90,13 +92,13 @@ def test_a_cached_choice_that_cannot_run_here_now_is_measured_again(tmp_path, mo
     """A shared cache, or a kernel build that failed since: the table named gemv, which is gone."""
     key = dispatch.machine_key()
     path = tmp_path / "dispatch.json"
-    dispatch.save_table(path, dispatch.Table(key, {"float32": ["gemv"] * len(CLASSES)}, {"float32": "kernel"}))
+    dispatch.save_table(path, dispatch.Table(key, {"float32": ["gemv"] * len(CLASSES)}, {"float32": KERNEL}))
     monkeypatch.setattr(dispatch, "table_path", lambda k: path)
     monkeypatch.setattr(dispatch, "_TABLES", {})
     monkeypatch.setattr(dispatch, "linear_candidates", lambda dtype: ["torch"])
 
     def measure(dtype, table):
-        table.linear["float32"], table.attention["float32"] = ["torch"] * len(CLASSES), "sdpa"
+        table.linear["float32"], table.attention["float32"] = ["torch"] * len(CLASSES), SDPA
         return True
 
     monkeypatch.setattr(dispatch, "measure", measure)
@@ -108,8 +110,16 @@ def test_forcing_a_candidate(monkeypatch):
     monkeypatch.setenv(dispatch.FORCE_ENV, "linear=torch,attention=sdpa")
     assert dispatch.forced("linear") == "torch"
     assert dispatch.forced("attention") == "sdpa"
-    t = dispatch.Table({}, {"float32": ["gemv"] * len(CLASSES)}, {"float32": "kernel"})
-    assert t.linear_choices(torch.float32) == ["torch"] * len(CLASSES) and t.attention_choice(torch.float32) == "sdpa"
+    t = dispatch.Table({}, {"float32": ["gemv"] * len(CLASSES)}, {"float32": KERNEL})
+    assert t.linear_choices(torch.float32) == ["torch"] * len(CLASSES)
+    assert [t.attention_choice(torch.float32, p) for p in dispatch.PHASES] == ["sdpa", "sdpa"]
+    monkeypatch.setenv(dispatch.FORCE_ENV, "attention=sdpa,decode_attention=kernel")  # one phase over both
+    assert [t.attention_choice(torch.float32, p) for p in dispatch.PHASES] == ["kernel", "sdpa"]
+    monkeypatch.setenv(dispatch.FORCE_ENV, "prefill_attention=sdpa")
+    assert [t.attention_choice(torch.float32, p) for p in dispatch.PHASES] == ["kernel", "sdpa"]
+    monkeypatch.setenv(dispatch.FORCE_ENV, "decode_attention=flash")
+    with pytest.raises(ValueError, match="decode_attention=kernel|sdpa"):
+        t.attention_choice(torch.float32, "decode")
     monkeypatch.setenv(dispatch.FORCE_ENV, "linear=cublas")
     with pytest.raises(ValueError, match="linear=gemv|onednn|torch"):
         dispatch.forced("linear")

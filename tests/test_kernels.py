@@ -489,8 +489,9 @@ def test_decode_attention_bad_input_is_a_clear_error(make, message):
 def test_the_engine_attends_every_token_of_a_step_in_one_kernel_call_per_layer(monkeypatch):
     monkeypatch.setenv("MINISERVE_DISPATCH", "attention=kernel")  # what is tested, whatever this machine measured
     runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=4, max_model_len=64))
-    real, calls = runner.decode_attention, []
-    runner.decode_attention = lambda q, k, v, slots, lens, scale: (
+    real, calls = runner.attention_kernel, []
+    assert runner.kernel_phases == {"decode", "prefill"}
+    runner.attention_kernel = lambda q, k, v, slots, lens, scale: (
         calls.append((q.shape[0], slots.tolist(), lens.tolist())) or real(q, k, v, slots, lens, scale))
     layers = runner.model.config.num_hidden_layers
     reqs = {f"r{i}": Request(f"r{i}", list(range(1, 20)), 4) for i in range(4)}
@@ -508,6 +509,35 @@ def test_the_engine_attends_every_token_of_a_step_in_one_kernel_call_per_layer(m
     run(("r0", "r2"), (1, 6), (9, 0), lambda a, c: [(7, [a] + [c] * 6, [10, 1, 2, 3, 4, 5, 6])] * layers)
     run(("r0", "r1", "r2"), (1, 1, 4), (10, 9, 6),  # decodes and a chunk after its context
         lambda a, b, c: [(6, [a, b] + [c] * 4, [11, 10, 7, 8, 9, 10])] * layers)
+
+
+@needs("decode_attention", torch.float32)
+@pytest.mark.parametrize("kernel_phase", ["decode", "prefill"])
+def test_a_step_split_between_kernel_and_sdpa_gives_the_kernel_only_its_phase_rows(kernel_phase, monkeypatch):
+    """Where the table has the kernel attend one phase, it gets that phase's rows in one call a
+    layer and SDPA the rest; the logits stay those of the kernel attending every row."""
+    other = {"decode": "prefill", "prefill": "decode"}[kernel_phase]
+    monkeypatch.setenv("MINISERVE_DISPATCH", f"{kernel_phase}_attention=kernel,{other}_attention=sdpa")
+    runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=4, max_model_len=64))
+    assert runner.kernel_phases == {kernel_phase}
+    real, calls = runner.attention_kernel, []
+    runner.attention_kernel = lambda q, k, v, slots, lens, scale: (
+        calls.append((q.shape[0], slots.tolist(), lens.tolist())) or real(q, k, v, slots, lens, scale))
+    layers = runner.model.config.num_hidden_layers
+    reqs = {f"r{i}": Request(f"r{i}", list(range(1, 20)), 4) for i in range(3)}
+    runner.execute(BatchPlan("continuous", ("r0", "r1"), (8, 8), (0, 0), (True, True), 0), reqs)
+    calls.clear()
+    plan = BatchPlan("continuous", ("r0", "r1", "r2"), (1, 1, 4), (8, 8, 0), (True,) * 3, 2)
+    _, logits = runner.execute(plan, reqs, return_logits=True)
+    a, b, c = (runner._slot_of[r] for r in ("r0", "r1", "r2"))
+    expected = (2, [a, b], [9, 9]) if kernel_phase == "decode" else (4, [c] * 4, [1, 2, 3, 4])
+    assert calls == [expected] * layers
+    monkeypatch.setenv("MINISERVE_DISPATCH", "attention=kernel")
+    whole = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=4, max_model_len=64))
+    fresh = {f"r{i}": Request(f"r{i}", list(range(1, 20)), 4) for i in range(3)}
+    whole.execute(BatchPlan("continuous", ("r0", "r1"), (8, 8), (0, 0), (True, True), 0), fresh)
+    _, reference = whole.execute(plan, fresh, return_logits=True)
+    assert (logits - reference).abs().max().item() <= 1e-5
 
 
 def test_layer_ops_build_wherever_the_cpu_can_run_them():

@@ -65,7 +65,10 @@ def mixed_requests(vocab: int) -> list[Request]:
             for i in range(6)]
 
 
-DISPATCH = ["", "linear=gemv,attention=kernel", "linear=onednn,attention=sdpa", "linear=torch,attention=sdpa"]
+DISPATCH = ["", "linear=gemv,attention=kernel", "linear=onednn,attention=sdpa", "linear=torch,attention=sdpa",
+            # a step's phases split between the kernel and SDPA, each way round
+            "linear=gemv,decode_attention=kernel,prefill_attention=sdpa",
+            "linear=gemv,decode_attention=sdpa,prefill_attention=kernel"]
 
 
 @pytest.mark.parametrize("force", DISPATCH)
@@ -81,9 +84,13 @@ def test_packed_mixed_steps_match_unbatched_reference_fp32(attention, force, mon
                              long_prefill_token_threshold=6)
     runner = ModelRunner(model_config, config)
     assert not force or set(runner._lean.choices) == {forced}
-    if "sdpa" in force:  # the path machines without ours run: oneDNN or F.linear, SDPA, torch's elementwise ops
-        assert runner.decode_attention is None
+    if "attention=sdpa" in force.split(","):  # what machines without ours run: oneDNN or F.linear, SDPA, torch's ops
+        assert runner.attention_kernel is None and not runner.kernel_phases
         runner._lean.ops = engine_kernels.TORCH_LAYER_OPS
+    elif "_attention=" in force:
+        if runner.attention_kernel is None:
+            pytest.skip("no attention kernel on this machine (as masked)")
+        assert runner.kernel_phases == {"decode" if "decode_attention=kernel" in force else "prefill"}
     _, worst, phases = run_and_compare(runner, sdpa_twin(model_config), config, mixed_requests(512), atol=1e-5)
     assert "mixed" in phases  # decodes and chunks with prior context shared one call
 
@@ -199,8 +206,8 @@ def test_qwen3_runs_the_lean_path_and_matches_unbatched_reference_fp32(tmp_path,
     runner = ModelRunner(model_config, config)
     assert type(runner.model).__name__ == "Qwen3ForCausalLM" and runner._lean is not None
     assert runner.cache.keys[0].shape[-1] == 32  # the config's head_dim, not hidden / heads
-    if "sdpa" in force:  # the path machines without ours run
-        assert runner.decode_attention is None
+    if "attention=sdpa" in force.split(","):  # the path machines without ours run
+        assert runner.attention_kernel is None and not runner.kernel_phases
         runner._lean.ops = engine_kernels.TORCH_LAYER_OPS
     _, _, phases = run_and_compare(runner, sdpa_twin(model_config), config, mixed_requests(256), atol=1e-5)
     assert {"mixed", "decode"} <= phases
@@ -212,7 +219,7 @@ def test_qwen3_head_dim_without_a_decode_kernel_stays_exact(tmp_path):
     config = SchedulerConfig(name="continuous", max_num_seqs=3, max_num_batched_tokens=12,
                              long_prefill_token_threshold=5)
     runner = ModelRunner(model_config, config)
-    assert runner._lean is not None and runner.decode_attention is None
+    assert runner._lean is not None and runner.attention_kernel is None
     run_and_compare(runner, sdpa_twin(model_config), config, mixed_requests(256), atol=1e-5)
 
 

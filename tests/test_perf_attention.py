@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.model import kernels
-from engine.model.attention import RaggedBatch
+from engine.model.attention import KERNEL_PHASES, RaggedBatch
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.model.runner import ModelRunner
 from engine.core.plan import BatchPlan
@@ -25,12 +25,13 @@ def test_batched_decodes_over_fragmented_slots_match_reference(decode_attention)
     model_config = ModelConfig(name="tiny")
     runner = ModelRunner(model_config, SchedulerConfig(max_num_seqs=6))
     if decode_attention == "sdpa":  # one SDPA over the slots' view, with the decodes scattered into it
-        runner.decode_attention = None
-    else:  # the kernel, whether or not this machine's dispatch table chose it
+        runner.attention_kernel = None
+    else:  # the kernel for both phases, whether or not this machine's dispatch table chose it
         cfg = runner.model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        runner.decode_attention = kernels.decode_attention(torch.float32, head_dim)
-        if runner.decode_attention is None:
+        runner.attention_kernel = kernels.decode_attention(torch.float32, head_dim)
+        runner.kernel_phases = KERNEL_PHASES
+        if runner.attention_kernel is None:
             pytest.skip("no decode attention kernel on this machine (as masked)")
     ref = sdpa_twin(model_config)
     g = torch.Generator().manual_seed(5)
@@ -58,7 +59,7 @@ def test_batched_decodes_over_fragmented_slots_match_reference(decode_attention)
 def test_dense_equal_context_decodes_need_no_mask_and_match_reference():
     model_config = ModelConfig(name="tiny")
     runner = ModelRunner(model_config, SchedulerConfig(max_num_seqs=4))
-    runner.decode_attention = None  # the SDPA path, as machines without the kernel run it
+    runner.attention_kernel = None  # the SDPA path, as machines without the kernel run it
     ref = sdpa_twin(model_config)
     g = torch.Generator().manual_seed(7)
     reqs = {f"e{i}": Request(f"e{i}", torch.randint(0, 512, (6,), generator=g).tolist(), 4) for i in range(3)}

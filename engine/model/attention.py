@@ -5,13 +5,16 @@ per-step layout (``RaggedBatch``) reaches it as the ``attention_mask`` value of 
 that Qwen2Model passes through unchanged, so no global state is involved.
 
 Two backends, both exact:
-- ``ragged``: where this CPU runs miniserve's attention kernel (engine/model/kernels/
-  decode_attention.cpp) and it was measured faster here, every packed token in ONE call: token t is
-  a row of its request's slot that sees keys 0..position(t), a decode and each token of a prefill
-  chunk alike (2.4-3x faster than SDPA on a 512-token prefill, ~2.7x on decodes at 32 × 256;
-  docs/architecture.md). Elsewhere all single-token entries (decodes) in one SDPA over a view of
-  their slots' KV (no copy: keys past each request's length are masked off), then one SDPA per
-  prefill chunk over its own slot (work ∝ Σ n_i·K_i).
+- ``ragged``: each of a step's two phases (its decodes; its prefill chunks) attends with what was
+  measured faster for it on this CPU (engine/model/kernels/dispatch.py): miniserve's attention
+  kernel (engine/model/kernels/decode_attention.cpp), where every packed token is a row of its
+  request's slot that sees keys 0..position(t), a decode and each token of a chunk alike, all of a
+  phase in ONE call; or SDPA: all single-token entries (decodes) in one SDPA over a view of their
+  slots' KV (no copy: keys past each request's length are masked off), then one SDPA per prefill
+  chunk over its own slot (work ∝ Σ n_i·K_i). Where both phases take the kernel, every packed token
+  goes in one call. The phases can differ: on a CPU with AMX, SDPA runs a bf16 chunk's products on
+  the tiles, which the kernel's per-row dot products do not match, while the kernel attends
+  decodes faster than SDPA (figures in docs/architecture.md).
 - ``masked``: one SDPA over all requests' KV concatenated, with a block-diagonal causal mask
   (work ∝ T·ΣK; wasteful on long prompts, fewer calls for many tiny decodes).
 
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ATTN_IMPLEMENTATION = "miniserve_ragged"
+KERNEL_PHASES = frozenset({"decode", "prefill"})  # a step's two phases, both by the kernel where it attends
 
 try:  # optional, CUDA only: all of a step's prefill chunks in one varlen kernel
     from flash_attn import flash_attn_varlen_func
@@ -52,8 +56,11 @@ class RaggedBatch:
     write_slots: torch.Tensor  # (T,) slot of every packed token
     write_positions: torch.Tensor  # (T,) position of every packed token
     backend: str = "ragged"
-    kernel: Callable | None = None  # kernels.decode_attention: every packed token in one call; None: SDPA
-    kernel_lens: torch.Tensor | None = None  # (T,) keys each packed token sees (its position + 1)
+    kernel: Callable | None = None  # kernels.decode_attention, for the phases it attends; None: SDPA
+    kernel_rows: tuple[int, int] = (0, 0)  # the packed rows [lo, hi) it attends, each a row of its slot
+    kernel_slots: torch.Tensor | None = None  # (hi - lo,) each of those rows' slot
+    kernel_lens: torch.Tensor | None = None  # (hi - lo,) keys each of those rows sees (its position + 1)
+    first_chunk: int = 0  # entries [0, first_chunk) are single-token (decodes), the rest prefill chunks
     num_decodes: int = 0  # SDPA: leading single-token entries, attended in one batched call
     decode_range: tuple[int, int] = (0, 0)  # slots [lo, hi) viewed by that call
     decode_rows: torch.Tensor | None = None  # each decode's row in that view
@@ -74,7 +81,9 @@ class RaggedBatch:
 
     @classmethod
     def build(cls, slots: list[int], q_lens: list[int], ctx_lens: list[int], backend: str,
-              kernel: Callable | None = None, device: torch.device | None = None) -> RaggedBatch:
+              kernel: Callable | None = None, kernel_phases: frozenset[str] = KERNEL_PHASES,
+              device: torch.device | None = None) -> RaggedBatch:
+        """``kernel`` attends the phases in ``kernel_phases`` ("decode", "prefill"); SDPA the rest."""
         q_starts = list(accumulate(q_lens, initial=0))[:-1]
         # each packed token's position and KV slot, built as lists: torch's repeat_interleave costs
         # ~0.1 ms a call on CPU, more than the lists for any batch a step packs
@@ -85,12 +94,20 @@ class RaggedBatch:
             positions = torch.tensor([p for n, c in zip(q_lens, ctx_lens) for p in range(c, c + n)], dtype=torch.long)
             token_slots = torch.tensor([s for n, s in zip(q_lens, slots) for _ in range(n)], dtype=torch.long)
         batch = cls(slots, q_starts, q_lens, ctx_lens, token_slots, positions, backend)
-        if backend == "ragged" and kernel is not None:
-            batch.kernel, batch.kernel_lens = kernel, positions + 1
-        elif backend == "ragged":
-            batch.chunk_masks = [_chunk_mask(n, ctx) for n, ctx in zip(q_lens, ctx_lens)]
-            d = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
-            if d:
+        d = batch.first_chunk = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
+        if backend == "ragged":
+            decodes_by_kernel = kernel is not None and (d == 0 or "decode" in kernel_phases)
+            chunks_by_kernel = kernel is not None and (d == len(q_lens) or "prefill" in kernel_phases)
+            lo = 0 if decodes_by_kernel else d  # in rows, as entries [0, d) are one row each
+            hi = len(positions) if chunks_by_kernel else d
+            if lo < hi:
+                batch.kernel, batch.kernel_rows = kernel, (lo, hi)
+                whole = (lo, hi) == (0, len(positions))
+                batch.kernel_slots = token_slots if whole else token_slots[lo:hi]
+                batch.kernel_lens = positions[lo:hi] + 1
+            if not chunks_by_kernel:
+                batch.chunk_masks = [_chunk_mask(n, ctx) for n, ctx in zip(q_lens, ctx_lens)]
+            if d and not decodes_by_kernel:
                 lo, hi = min(slots[:d]), max(slots[:d]) + 1
                 rows = torch.tensor(slots[:d]) - lo
                 visible = torch.ones(hi - lo, dtype=torch.long)  # rows of other slots: any finite key
@@ -104,6 +121,11 @@ class RaggedBatch:
         else:
             batch.block_mask = _block_diagonal_mask(q_lens, ctx_lens)
         return batch if device is None else batch.to(device)
+
+    @property
+    def kernel_attends_all(self) -> bool:
+        """Whether the kernel attends every packed token (one call a layer, nothing for SDPA)."""
+        return self.kernel is not None and self.kernel_rows == (0, len(self.write_positions))
 
     @property
     def positions(self) -> torch.Tensor:
@@ -169,16 +191,18 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         out = F.scaled_dot_product_attention(query, k[None], v[None], attn_mask=b.block_mask, scale=scaling,
                                              enable_gqa=True)
         return out.transpose(1, 2), None
-    if b.kernel is not None:
-        heads, tokens, dim = query.shape[1:]
+    heads, tokens, dim = query.shape[1:]
+    scale = scaling if scaling is not None else dim ** -0.5
+    if b.kernel_attends_all:
         q = query[0].transpose(0, 1).contiguous()  # (T, H, D)
-        out = b.kernel(q, key, value, b.write_slots, b.kernel_lens, scaling if scaling is not None else dim ** -0.5)
-        return out.view(1, tokens, heads, dim), None
+        return b.kernel(q, key, value, b.kernel_slots, b.kernel_lens, scale).view(1, tokens, heads, dim), None
     outs = []
-    d = b.num_decodes
-    if d:
+    d = b.first_chunk
+    if b.kernel is not None and b.kernel_rows[0] == 0:  # the decodes by the kernel
+        outs.append(_kernel_rows(query, key, value, b, scale))
+    elif b.num_decodes:
         lo, hi = b.decode_range
-        heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
+        kv_heads = key.shape[1]
         # (1, H, d, D) -> (rows, KV heads, group, D): a decode's query heads that share a KV head
         # become that head's "query length", so SDPA needs neither GQA expansion nor a copy of K/V.
         q = query[0, :, :d].transpose(0, 1).reshape(d, kv_heads, heads // kv_heads, dim)
@@ -190,17 +214,28 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         out = F.scaled_dot_product_attention(q, key[lo:hi, :, :k_len], value[lo:hi, :, :k_len],
                                              attn_mask=b.decode_mask, scale=scaling)
         outs.append((out if b.decode_dense else out[b.decode_rows]).reshape(1, d, heads, dim))
-    if d < len(b.slots) and flash_attn_varlen_func is not None and query.is_cuda and query.dtype in (
-            torch.float16, torch.bfloat16):
+    if d == len(b.slots):
+        pass
+    elif b.kernel is not None and b.kernel_rows[0] > 0:  # the chunks by the kernel
+        outs.append(_kernel_rows(query, key, value, b, scale))
+    elif flash_attn_varlen_func is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
         outs.append(_chunks_flash_varlen(query, key, value, b, d, scaling))
-        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
-    for s, q0, n, c, mask in zip(b.slots[d:], b.q_starts[d:], b.q_lens[d:], b.ctx_lens[d:], b.chunk_masks[d:]):
-        k = key[s:s + 1, :, :c + n]
-        v = value[s:s + 1, :, :c + n]
-        outs.append(F.scaled_dot_product_attention(
-            query[:, :, q0:q0 + n], k, v, attn_mask=mask, is_causal=(mask is None and n > 1),
-            scale=scaling, enable_gqa=True).transpose(1, 2))
+    else:
+        for s, q0, n, c, mask in zip(b.slots[d:], b.q_starts[d:], b.q_lens[d:], b.ctx_lens[d:], b.chunk_masks[d:]):
+            k = key[s:s + 1, :, :c + n]
+            v = value[s:s + 1, :, :c + n]
+            outs.append(F.scaled_dot_product_attention(
+                query[:, :, q0:q0 + n], k, v, attn_mask=mask, is_causal=(mask is None and n > 1),
+                scale=scaling, enable_gqa=True).transpose(1, 2))
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+
+
+def _kernel_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, b: RaggedBatch,
+                 scale: float) -> torch.Tensor:
+    """The kernel over the packed rows it attends (one phase of the step): (1, rows, H, D)."""
+    lo, hi = b.kernel_rows
+    q = query[0, :, lo:hi].transpose(0, 1).contiguous()  # (rows, H, D)
+    return b.kernel(q, key, value, b.kernel_slots, b.kernel_lens, scale)[None]
 
 
 def _chunks_flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, b: RaggedBatch, d: int,

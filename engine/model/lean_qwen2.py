@@ -199,9 +199,11 @@ class LeanQwen2:
         t = h.shape[0]
         d = self.head_dim
         project, ops = self._projector, self.ops
-        # the attention kernel, where the step attends through it: called straight, as
-        # ragged_attention would call it (every packed token a row of its slot)
-        kernel, slots, positions, lens = batch.kernel, batch.write_slots, batch.write_positions, batch.kernel_lens
+        # the attention kernel, where it attends every token of the step: called straight, as
+        # ragged_attention would call it (every packed token a row of its slot); a step whose phases
+        # attend differently goes through ragged_attention
+        kernel = batch.kernel if batch.kernel_attends_all else None
+        slots, positions, kernel_slots, lens = batch.write_slots, batch.write_positions, batch.kernel_slots, batch.kernel_lens
         delta = None  # what the previous layer's MLP adds to h
         for i, scaling, nq, nkv, ln1, eps1, qkv, qk_norm, o, ln2, eps2, gu, inter, down in self.layers:
             k_store, v_store = cache.keys[i], cache.values[i]
@@ -209,7 +211,8 @@ class LeanQwen2:
             q = ops.rotary_kv(project(x, qkv), cos, sin, nq // d, nkv // d, k_store, v_store,
                               slots, positions, *qk_norm)  # (T, H, D)
             if kernel is not None:
-                attn = kernel(q.contiguous(), k_store, v_store, slots, lens, scaling if scaling is not None else d ** -0.5)
+                attn = kernel(q.contiguous(), k_store, v_store, kernel_slots, lens,
+                              scaling if scaling is not None else d ** -0.5)
             else:
                 attn, _ = ragged_attention(None, q.transpose(0, 1)[None], k_store, v_store, batch, scaling=scaling)
             x = ops.add_rms_norm(h, project(attn.reshape(t, -1), o), ln2, eps2)

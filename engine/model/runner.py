@@ -60,9 +60,11 @@ class ModelRunner:
         self.cache = SlotKVCache(cfg.num_hidden_layers, scheduler_config.max_num_seqs, cfg.num_key_value_heads,
                                  self.max_model_len, head_dim, self.model.dtype,
                                  device=self.device if self.generic else None)
-        # a step's tokens attend with miniserve's kernel where this CPU runs it and it was measured
-        # faster (engine/model/kernels), else with SDPA; the generic path never asks for (or builds) a kernel
-        self.decode_attention = None if self.generic else dispatch.decode_attention(self.model.dtype, head_dim)
+        # each phase of a step (decodes, prefill chunks) attends with miniserve's kernel where this CPU
+        # runs it and it was measured faster for that phase (engine/model/kernels), else with SDPA; the
+        # generic path never asks for (or builds) a kernel
+        self.attention_kernel, self.kernel_phases = ((None, frozenset()) if self.generic
+                                                     else dispatch.attention_kernel(self.model.dtype, head_dim))
         self.greedy = (None if self.generic else kernels.argmax_rows(self.model.dtype)) or _torch_greedy
         self.timer = DeviceTimer(self.device)
         self._free_slots = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
@@ -83,7 +85,8 @@ class ModelRunner:
         """Which of miniserve's CPU kernels this runner's calls run (a profile records it)."""
         lean = self._lean
         return {"gemv": lean is not None and "gemv" in lean.choices,
-                "decode_attention": self.decode_attention is not None,
+                "decode_attention": self.attention_kernel is not None and "decode" in self.kernel_phases,
+                "prefill_attention": self.attention_kernel is not None and "prefill" in self.kernel_phases,
                 "layer_ops": lean is not None and lean.ops is not kernels.TORCH_LAYER_OPS,
                 "argmax": self.greedy is not _torch_greedy}
 
@@ -161,7 +164,7 @@ class ModelRunner:
                 sample_rows.append(len(token_ids) - 1)
                 sampled.append(requests[rid])
         batch = RaggedBatch.build(slots, list(plan.num_tokens), list(plan.context_lens),
-                                  self.model_config.attention, self.decode_attention,
+                                  self.model_config.attention, self.attention_kernel, self.kernel_phases,
                                   device=self.device if self.generic else None)
         self.cache.batch = batch
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)

@@ -8,8 +8,10 @@ dispatches to the faster:
 - a linear's product, per row class (``ROW_CLASSES``: a product of ``rows`` takes the smallest class
   ≥ rows): ``gemv`` (miniserve's kernel over panel-packed weights), ``onednn`` (oneDNN's linear over
   its pre-packed copy), ``torch`` (stock ``F.linear`` over the plain weight);
-- a step's attention: ``kernel`` (miniserve's attention kernel, every packed token in one call) or
-  ``sdpa`` (SDPA for the decodes together and per prefill chunk);
+- a step's attention, per phase (``PHASES``: its decodes, its prefill chunks): ``kernel``
+  (miniserve's attention kernel, all of the phase's tokens in one call) or ``sdpa`` (SDPA for the
+  decodes together, per prefill chunk); the phases are timed apart, as they differ (on a CPU with
+  AMX a bf16 chunk attends faster in SDPA, on the tiles, and decodes in the kernel);
 - the gemv's own tuning (``kernels.GemvTuning``): how it asks for its weight stream (``PREFETCH``'s
   candidates, timed at 1 and 8 rows) and, for bf16 on a CPU with AMX, from which row class its
   tiles beat its vector loop (``fold_amx``).
@@ -22,7 +24,8 @@ layout. The table is cached as JSON beside the compiled
 kernels, under a name hashed from ``machine_key()`` (CPU model, its flags, the
 ``MINISERVE_CPU_FEATURES`` mask, threads, torch and the kernels' sources); a file whose key differs
 is measured again, never reused. ``MINISERVE_DISPATCH=linear=onednn,attention=sdpa,amx=off`` forces a
-candidate (tests run every path through it; benchmarks compare them).
+candidate (tests run every path through it; benchmarks compare them); ``decode_attention=`` and
+``prefill_attention=`` force one phase's attention (over ``attention=``).
 
 The private ``torch.ops.mkldnn`` calls live here and nowhere else.
 """
@@ -48,7 +51,9 @@ from engine.model.kernels.features import ENV, cache_sizes, cpu_features, cpu_mo
 
 LINEAR = ("gemv", "onednn", "torch")
 ATTENTION = ("kernel", "sdpa")
-FORCEABLE = {"linear": LINEAR, "attention": ATTENTION, "amx": ("on", "off")}
+PHASES = ("decode", "prefill")  # engine.model.attention.KERNEL_PHASES
+FORCEABLE = {"linear": LINEAR, "attention": ATTENTION, "decode_attention": ATTENTION,
+             "prefill_attention": ATTENTION, "amx": ("on", "off")}
 ROW_CLASSES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # how the gemv asks for its weight stream: the tunings that won on the CPUs measured so far
 # (docs/architecture.md), timed against each other on this one
@@ -61,7 +66,7 @@ PREFETCH = (GemvTuning(prefetch_one=0, prefetch=16 << 10, prefetch_l2=False),
 PROBE_LAYER = ((1152, 896), (896, 896), (9728, 896), (896, 4864))
 PROBE_BYTES = (64 << 20, 512 << 20)  # the probe: twice the last-level cache within these, rounded up to a layer
 FORCE_ENV = "MINISERVE_DISPATCH"
-VERSION = 5  # bump when what is measured or how it is chosen changes
+VERSION = 6  # bump when what is measured or how it is chosen changes
 log = logging.getLogger("miniserve.dispatch")
 
 
@@ -118,7 +123,7 @@ class Table:
 
     key: dict
     linear: dict[str, list[str]] = field(default_factory=dict)  # dtype -> choice per ROW_CLASSES
-    attention: dict[str, str] = field(default_factory=dict)  # dtype -> "kernel" | "sdpa"
+    attention: dict[str, dict[str, str]] = field(default_factory=dict)  # dtype -> phase -> "kernel" | "sdpa"
     timings: dict[str, dict] = field(default_factory=dict)  # dtype -> {"linear": {rows: {cand: s}}, "attention": {...}}
     gemv: dict[str, dict] = field(default_factory=dict)  # dtype -> GemvTuning's fields
 
@@ -130,8 +135,9 @@ class Table:
             raise ValueError(f"{FORCE_ENV} forces linear={force}, which this machine cannot run for {dtype}")
         return [force] * len(ROW_CLASSES)
 
-    def attention_choice(self, dtype: torch.dtype) -> str:
-        return forced("attention") or self.attention[_name(dtype)]
+    def attention_choice(self, dtype: torch.dtype, phase: str) -> str:
+        """How ``phase`` ("decode" or "prefill") of a step attends."""
+        return forced(f"{phase}_attention") or forced("attention") or self.attention[_name(dtype)][phase]
 
     def gemv_tuning(self, dtype: torch.dtype) -> GemvTuning:
         tuning = GemvTuning(**self.gemv.get(_name(dtype), {}))
@@ -352,25 +358,30 @@ def fold_amx(timings: dict[int, dict[str, float]]) -> tuple[int, dict[int, dict[
 
 
 @torch.inference_mode()
-def measure_attention(dtype: torch.dtype, repeats: int = 9) -> dict[str, float]:
-    """Seconds per call of a mixed step's attention (8 decodes × 256 keys and a 128-token prefill
-    chunk; 14 query heads over 2 KV heads of 64, the 0.5B model's layout) with miniserve's kernel
-    attending every token and with SDPA."""
+def measure_attention(dtype: torch.dtype, repeats: int = 9) -> dict[str, dict[str, float]]:
+    """Seconds per call of each phase's attention with miniserve's kernel and with SDPA: 8 decodes
+    × 256 keys; a 128-token prefill chunk after 128 tokens of context (14 query heads over 2 KV heads
+    of 64, the 0.5B model's layout)."""
     from engine.model.attention import RaggedBatch, ragged_attention
     decodes, ctx, chunk, heads, kv_heads, d = 8, 256, 128, 14, 2, 64
     kernel = kernels.decode_attention(dtype, d)
     if kernel is None:
-        return {"sdpa": 0.0}
+        return {phase: {"sdpa": 0.0} for phase in PHASES}
     g = torch.Generator().manual_seed(0)
-    k_store = torch.randn(decodes + 1, kv_heads, 1024, d, generator=g).to(dtype)
-    v_store = torch.randn(decodes + 1, kv_heads, 1024, d, generator=g).to(dtype)
-    q = torch.randn(1, heads, decodes + chunk, d, generator=g).to(dtype)
-    slots, q_lens, ctxs = list(range(decodes + 1)), [1] * decodes + [chunk], [ctx] * decodes + [0]
-    with_kernel = RaggedBatch.build(slots, q_lens, ctxs, "ragged", kernel)
-    with_sdpa = RaggedBatch.build(slots, q_lens, ctxs, "ragged", None)
-    return _fastest_alternating({
-        "kernel": lambda: ragged_attention(None, q, k_store, v_store, with_kernel, scaling=d ** -0.5),
-        "sdpa": lambda: ragged_attention(None, q, k_store, v_store, with_sdpa, scaling=d ** -0.5)}, repeats)
+    k_store = torch.randn(decodes, kv_heads, 1024, d, generator=g).to(dtype)
+    v_store = torch.randn(decodes, kv_heads, 1024, d, generator=g).to(dtype)
+    shapes = {"decode": ([1] * decodes, [ctx] * decodes), "prefill": ([chunk], [chunk])}
+    timings = {}
+    for phase, (q_lens, ctxs) in shapes.items():
+        q = torch.randn(1, heads, sum(q_lens), d, generator=g).to(dtype)
+        slots = list(range(len(q_lens)))
+        with_kernel = RaggedBatch.build(slots, q_lens, ctxs, "ragged", kernel)
+        with_sdpa = RaggedBatch.build(slots, q_lens, ctxs, "ragged", None)
+        timings[phase] = _fastest_alternating({
+            "kernel": lambda q=q, b=with_kernel: ragged_attention(None, q, k_store, v_store, b, scaling=d ** -0.5),
+            "sdpa": lambda q=q, b=with_sdpa: ragged_attention(None, q, k_store, v_store, b, scaling=d ** -0.5)},
+            repeats)
+    return timings
 
 
 def agreed_choices(measure_once: Callable[[], dict[int, dict[str, float]]], tries: int = 3
@@ -415,11 +426,11 @@ def measure(dtype: torch.dtype, table: Table) -> bool:
     attention = measure_attention(dtype)
     name = _name(dtype)
     table.linear[name] = choices
-    table.attention[name] = choose(attention)
+    table.attention[name] = {phase: choose(attention[phase]) for phase in PHASES}
     table.gemv[name] = asdict(replace(tuning, amx_rows=fold_amx(linear)[0]))  # as the last measurement had it
     table.timings[name] = {"linear": {str(r): t for r, t in linear.items()}, "attention": attention,
                            "gemv_prefetch": prefetch, "probe_mib": probe_mib}
-    log.info("dispatch for %s measured on this CPU in %.1f s: linears %s by rows %s, decode attention %s, gemv %s",
+    log.info("dispatch for %s measured on this CPU in %.1f s: linears %s by rows %s, attention %s, gemv %s",
              name, time.perf_counter() - t0, table.linear[name], list(ROW_CLASSES), table.attention[name],
              table.gemv[name])
     if not settled:
@@ -466,10 +477,13 @@ def gemv_tuning(dtype: torch.dtype) -> GemvTuning:
     return table(dtype).gemv_tuning(dtype)
 
 
-def decode_attention(dtype: torch.dtype, head_dim: int):
-    """miniserve's attention kernel (every packed token of a step, decodes and prefill chunks) where
-    it runs and was measured faster here, else None (SDPA)."""
+def attention_kernel(dtype: torch.dtype, head_dim: int) -> tuple[Callable | None, frozenset[str]]:
+    """miniserve's attention kernel and the phases of a step ("decode", "prefill") it attends on
+    this machine: those where it runs and was measured faster than SDPA; (None, nothing) where it
+    attends none."""
     kernel = kernels.decode_attention(dtype, head_dim)
     if kernel is None:
-        return None
-    return kernel if table(dtype).attention_choice(dtype) == "kernel" else None
+        return None, frozenset()
+    t = table(dtype)
+    phases = frozenset(p for p in PHASES if t.attention_choice(dtype, p) == "kernel")
+    return (kernel if phases else None), phases
