@@ -149,12 +149,13 @@ def test_an_unsettled_measurement_is_used_but_not_cached(monkeypatch):
     monkeypatch.setattr(dispatch, "linear_candidates", lambda dtype: ["gemv", "onednn", "torch"])
     monkeypatch.setattr(dispatch, "measure_linear", lambda *args: _timings(next(winners)))
     monkeypatch.setattr(dispatch.ProbeWeights, "build", lambda dtype, candidates: dispatch.ProbeWeights([], [], []))
-    monkeypatch.setattr(dispatch, "tune_gemv", lambda dtype, probe: (dispatch.PREFETCH[1], {}))
+    tuned = GemvTuning(prefetch_one=2048, prefetch=4096, prefetch_one_l2=True)
+    monkeypatch.setattr(dispatch, "tune_gemv", lambda dtype, probe: (tuned, {}))
     table = dispatch.Table(dispatch.machine_key())
     assert dispatch.measure(torch.float32, table) is False  # table() then does not save it
     assert len(table.linear["float32"]) == len(dispatch.ROW_CLASSES)
     assert next(winners, None) is None  # measured three times
-    assert table.gemv["float32"] == {**asdict(dispatch.PREFETCH[1]), "amx_rows": 0}  # the tuning it measured
+    assert table.gemv["float32"] == {**asdict(tuned), "amx_rows": 0}  # the tuning it measured
 
 
 def test_a_lone_candidate_is_taken_without_timing(monkeypatch):
@@ -220,3 +221,29 @@ def test_a_cached_amx_threshold_is_dropped_where_this_process_has_no_tiles(monke
     monkeypatch.setattr(kernels, "gemv_amx", lambda dtype: False)
     t = dispatch.Table({}, gemv={"bfloat16": asdict(GemvTuning(0, 4096, False, 2))})
     assert t.gemv_tuning(torch.bfloat16) == GemvTuning(0, 4096, False, 0)
+
+
+def test_the_gemv_tuning_takes_each_row_counts_fastest_distance_apart(monkeypatch):
+    """The one-row distance and the several-row one are chosen each at its own row count, levels
+    included: a machine whose one row wants 2 KiB into L1 and whose 8 rows want 16 KiB into L2 gets both."""
+    calls = []
+
+    class Probe:
+        def inputs(self, rows):
+            return rows
+
+        def gemv(self, rows, tuning):
+            calls.append((rows, tuning))
+
+    def fastest(fns, repeats):
+        for fn in fns.values():
+            fn()
+        best = {"1": "2048,0", "8": "16384,1"}[str(calls[-1][0])]
+        return {name: (1.0 if name == best else 2.0) for name in fns}
+
+    monkeypatch.setattr(dispatch, "_fastest_alternating", fastest)
+    tuning, timings = dispatch.tune_gemv(torch.float32, Probe())
+    assert tuning == GemvTuning(prefetch_one=2048, prefetch_one_l2=False, prefetch=16384, prefetch_l2=True)
+    assert set(timings["1"]) == {f"{d},{int(l2)}" for d, l2 in dispatch.PREFETCH_ONE}
+    assert set(timings["8"]) == {f"{d},{int(l2)}" for d, l2 in dispatch.PREFETCH}
+    assert {rows for rows, _ in calls} == {1, 8} and all(t.amx_rows == 0 for _, t in calls)  # the vector loop

@@ -233,7 +233,9 @@ def test_how_the_weights_are_asked_for_changes_no_value(dtype, rows, k, n, seed)
     x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
     panels, gemv = kernels.pack_panels(w), kernels.gemv(dtype)
     base = gemv(x, panels, None, 64, 256, kernels.GemvTuning(prefetch_one=0, prefetch=0))
-    for tuning in dispatch.PREFETCH:
+    tunings = ([kernels.GemvTuning(prefetch_one=d, prefetch_one_l2=l2) for d, l2 in dispatch.PREFETCH_ONE]
+               + [kernels.GemvTuning(prefetch=d, prefetch_l2=l2) for d, l2 in dispatch.PREFETCH])
+    for tuning in tunings:
         assert torch.equal(gemv(x, panels, None, 64, 256, tuning), base)
 
 

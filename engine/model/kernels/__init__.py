@@ -87,12 +87,13 @@ def can_run(op: str, dtype: torch.dtype, features: frozenset[str] | None = None)
 class GemvTuning:
     """How the gemv runs on this machine (dispatch.py measures it): how far ahead of its arithmetic a
     one-row and a several-row product ask for the weights (bytes; 0 leaves it to the hardware
-    prefetcher), into L2 or L1, and from how many rows a bf16 product runs on AMX tiles (0: never)."""
+    prefetcher), each into L2 or L1, and from how many rows a bf16 product runs on AMX tiles (0: never)."""
 
     prefetch_one: int = 0
     prefetch: int = 16 << 10
-    prefetch_l2: bool = False
+    prefetch_l2: bool = False  # the several-row distance's level
     amx_rows: int = 0
+    prefetch_one_l2: bool = False  # the one-row distance's level
 
 
 @dataclass(frozen=True)
@@ -258,7 +259,7 @@ def gemv(dtype: torch.dtype):
     def run(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None, row_block: int = 64,
             k_block: int = 256, tuning: GemvTuning = GemvTuning()) -> torch.Tensor:
         return op(x, panels.data, bias, panels.n, panels.k, row_block, k_block, tuning.prefetch_one,
-                  tuning.prefetch, tuning.prefetch_l2, tuning.amx_rows)
+                  tuning.prefetch, tuning.prefetch_l2, tuning.amx_rows, tuning.prefetch_one_l2)
 
     return run
 

@@ -12,8 +12,9 @@ dispatches to the faster:
   (miniserve's attention kernel, all of the phase's tokens in one call) or ``sdpa`` (SDPA for the
   decodes together, per prefill chunk); the phases are timed apart, as they differ (on a CPU with
   AMX a bf16 chunk attends faster in SDPA, on the tiles, and decodes in the kernel);
-- the gemv's own tuning (``kernels.GemvTuning``): how it asks for its weight stream (``PREFETCH``'s
-  candidates, timed at 1 and 8 rows) and, for bf16 on a CPU with AMX, from which row class its
+- the gemv's own tuning (``kernels.GemvTuning``): how far ahead, into L1 or L2, it asks for its
+  weight stream at one row (``PREFETCH_ONE``'s candidates, timed at 1 row) and at more
+  (``PREFETCH``'s, timed at 8 rows) and, for bf16 on a CPU with AMX, from which row class its
   tiles beat its vector loop (``fold_amx``).
 
 Each linear candidate reads its own layout of the weights, and a second layout costs a whole
@@ -55,11 +56,11 @@ PHASES = ("decode", "prefill")  # engine.model.attention.KERNEL_PHASES
 FORCEABLE = {"linear": LINEAR, "attention": ATTENTION, "decode_attention": ATTENTION,
              "prefill_attention": ATTENTION, "amx": ("on", "off")}
 ROW_CLASSES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# how the gemv asks for its weight stream: the tunings that won on the CPUs measured so far
-# (docs/architecture.md), timed against each other on this one
-PREFETCH = (GemvTuning(prefetch_one=0, prefetch=16 << 10, prefetch_l2=False),
-            GemvTuning(prefetch_one=0, prefetch=4 << 10, prefetch_l2=False),
-            GemvTuning(prefetch_one=32 << 10, prefetch=16 << 10, prefetch_l2=True))
+# how far ahead (bytes) and into which cache (L2: True) the gemv asks for its weight stream, at one
+# row and at more: the distances that won on the CPUs measured so far (docs/architecture.md), timed
+# against each other on this one
+PREFETCH_ONE = ((0, False), (1 << 10, False), (2 << 10, False), (8 << 10, False), (32 << 10, True))
+PREFETCH = ((2 << 10, False), (4 << 10, False), (16 << 10, False), (16 << 10, True))
 # a decoder layer's four products (qkv, o, gate+up, down) as (outputs, inputs), Qwen2.5-0.5B's: the
 # candidates are timed on layers of these, as a model call runs them (a product's own overhead
 # counts: ~0.1 ms per oneDNN call at one row on one CPU, a fifth of a decode's linears)
@@ -303,17 +304,20 @@ class ProbeWeights:
 
 @torch.inference_mode()
 def tune_gemv(dtype: torch.dtype, probe: ProbeWeights, repeats: int = 5) -> tuple[GemvTuning, dict]:
-    """The ``PREFETCH`` tuning under which the gemv streams fastest here at 1 and 8 rows (the
-    sum of each row count's time against its best), with the seconds that chose it."""
-    timings: dict[int, dict[str, float]] = {}
-    for rows in (1, 8):
+    """The gemv's fastest weight stream here: ``PREFETCH_ONE``'s distance timed at 1 row,
+    ``PREFETCH``'s at 8 (the vector loop: the tiles' row count is chosen after), with the seconds
+    that chose them (per row count, per ``"distance,l2"``)."""
+    timings: dict[str, dict[str, float]] = {}
+    chosen = {}
+    for rows, candidates in ((1, PREFETCH_ONE), (8, PREFETCH)):
         xs = probe.inputs(rows)
-        timings[rows] = _fastest_alternating({str(i): (lambda t=t: probe.gemv(xs, t)) for i, t in enumerate(PREFETCH)},
-                                             repeats)
-    score = {i: sum(timings[r][str(i)] / min(timings[r].values()) for r in timings) for i in range(len(PREFETCH))}
-    best = min(score, key=score.get)
-    return PREFETCH[best], {str(r): {json.dumps(asdict(PREFETCH[int(i)])): s for i, s in t.items()}
-                            for r, t in timings.items()}
+        tunings = {f"{d},{int(l2)}": (GemvTuning(prefetch_one=d, prefetch_one_l2=l2) if rows == 1
+                                      else GemvTuning(prefetch=d, prefetch_l2=l2)) for d, l2 in candidates}
+        timings[str(rows)] = t = _fastest_alternating(
+            {name: (lambda tuning=tuning: probe.gemv(xs, tuning)) for name, tuning in tunings.items()}, repeats)
+        chosen[rows] = tunings[min(t, key=t.get)]
+    one, several = chosen[1], chosen[8]
+    return replace(several, prefetch_one=one.prefetch_one, prefetch_one_l2=one.prefetch_one_l2), timings
 
 
 @torch.inference_mode()

@@ -24,8 +24,8 @@
 // On a CPU with AMX (bf16 tiles) the bf16 product can run on the tiles instead (run_panels_amx),
 // from `amx_rows` rows on: the bf16 panels are AMX's weight layout as they are, so nothing is
 // packed again. Where that pays, and how far ahead of the arithmetic the weight stream is asked
-// for (`prefetch_one`, `prefetch`, into L1 or L2: `prefetch_l2`), is measured per machine
-// (engine/model/kernels/dispatch.py).
+// for (`prefetch_one` at one row, `prefetch` at more, each into L1 or L2: `prefetch_one_l2`,
+// `prefetch_l2`), is measured per machine (engine/model/kernels/dispatch.py).
 //
 // Built at first use by engine/kernels/__init__.py (torch.utils.cpp_extension). The kernels are
 // compiled with target attributes and only run where the CPU has what they need
@@ -413,11 +413,18 @@ __attribute__((target("amx-tile"))) void amx_configure(int rows) {
 __attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
 
 // RB row blocks × a panel's 32 outputs over k pairs [0, kk_end) (a multiple of 16): the sums go to
-// `part` (rows × 32 fp32). `ahead`, when set, is asked for meanwhile, 2 KB (16 k pairs) per step.
+// `part` (rows × 32 fp32). `ahead`, when set, is asked for meanwhile, 2 KB (16 k pairs) per step,
+// and `next.lines` cache lines of `next` per step into L2 (the next panel; `next` is advanced).
+struct NextPanel {
+  const char* at = nullptr;
+  const char* end = nullptr;
+  int64_t lines = 0;  // per 16-k-pair step
+};
+
 template <int RB>
 __attribute__((target("amx-tile,amx-bf16"))) void panel_amx(const uint16_t* x, int64_t K, const uint16_t* w,
                                                            int64_t kk_end, float* part, const char* ahead,
-                                                           bool to_l2) {
+                                                           bool to_l2, NextPanel& next) {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (RB == 2) {
@@ -429,6 +436,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void panel_amx(const uint16_t* x, i
     if (ahead) {
       for (int64_t b = 0; b < 16 * kStepBytes; b += kStepBytes) prefetch_step(ahead + kk * kStepBytes + b, to_l2);
     }
+    for (int64_t l = 0; l < next.lines && next.at < next.end; ++l, next.at += 64) _mm_prefetch(next.at, _MM_HINT_T1);
     _tile_loadd(6, w + kk * kPanel * 2, kStepBytes);
     _tile_loadd(7, w + kk * kPanel * 2 + 32, kStepBytes);
     _tile_loadd(4, x + 2 * kk, xstride);
@@ -453,7 +461,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void panel_amx(const uint16_t* x, i
 // the sums' tiles then go to memory and back between blocks; docs/architecture.md): pairs of
 // 16-row blocks (each weight tile used twice, each x tile twice), a last 16-row block, then the
 // rows past the last 16 with their own tile shape; the first row block asks for the weights
-// `stream.ahead` k pairs on. What the tiles do not cover (an odd K's last pair, the k pairs past
+// `stream.ahead` k pairs on, and all of them together ask for the thread's next panel into L2, an
+// even share per step over the panel's sweeps: the tiles' arithmetic then overlaps a whole panel's
+// memory latency, which the short `ahead` alone did not (docs/architecture.md has the figures).
+// What the tiles do not cover (an odd K's last pair, the k pairs past
 // the last 16) panel_bf16 adds to the tiles' sums.
 void run_panels_amx(const uint16_t* xp, const uint16_t* wpp, const uint16_t* bp, uint16_t* yp, int64_t M, int64_t N,
                     int64_t K, int64_t row_block, Prefetch stream) {
@@ -474,18 +485,25 @@ void run_panels_amx(const uint16_t* xp, const uint16_t* wpp, const uint16_t* bp,
         float* sums = part.data();
         if (kk_tiles) {
           const char* ahead = stream.ahead ? reinterpret_cast<const char*>(w) + stream.ahead * kStepBytes : nullptr;
+          NextPanel next;
+          if (p + 1 < p1) {
+            const int64_t sweeps = full / 32 + full % 32 / 16 + (tail ? 1 : 0), bytes = panel_elems * 2;
+            next.at = reinterpret_cast<const char*>(w + panel_elems);
+            next.end = next.at + bytes;
+            next.lines = (bytes / 64 + sweeps * (kk_tiles / 16) - 1) / (sweeps * (kk_tiles / 16));
+          }
           if (full) configure(16);
           int64_t r = 0;
           for (; r + 32 <= full; r += 32, ahead = nullptr) {
-            panel_amx<2>(xp + (r0 + r) * K, K, w, kk_tiles, sums + r * kPanel, ahead, stream.to_l2);
+            panel_amx<2>(xp + (r0 + r) * K, K, w, kk_tiles, sums + r * kPanel, ahead, stream.to_l2, next);
           }
           if (r < full) {
-            panel_amx<1>(xp + (r0 + r) * K, K, w, kk_tiles, sums + r * kPanel, ahead, stream.to_l2);
+            panel_amx<1>(xp + (r0 + r) * K, K, w, kk_tiles, sums + r * kPanel, ahead, stream.to_l2, next);
             ahead = nullptr;
           }
           if (tail) {
             configure(static_cast<int>(tail));
-            panel_amx<1>(xp + (r0 + full) * K, K, w, kk_tiles, sums + full * kPanel, ahead, stream.to_l2);
+            panel_amx<1>(xp + (r0 + full) * K, K, w, kk_tiles, sums + full * kPanel, ahead, stream.to_l2, next);
           }
         }
         for (int64_t r = 0; kk_tiles < pairs && r < rows; r += kBlockRows) {  // the k pairs the tiles left
@@ -520,12 +538,12 @@ bool gemv_amx_supported() {
 }
 
 // prefetch_one / prefetch: how far ahead (bytes) a one-row / a several-row product asks for the
-// weight stream (0: not at all), into L2 when prefetch_l2 else L1; amx_rows: from how many rows a
-// bf16 product runs on AMX tiles (0: never; fp32 has no tile path). dispatch.py measures all three
-// per machine.
+// weight stream (0: not at all), into L2 when prefetch_one_l2 / prefetch_l2 else L1; amx_rows: from
+// how many rows a bf16 product runs on AMX tiles (0: never; fp32 has no tile path). dispatch.py
+// measures them per machine.
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias, int64_t N,
                int64_t K, int64_t row_block, int64_t k_block, int64_t prefetch_one, int64_t prefetch,
-               bool prefetch_l2, int64_t amx_rows) {
+               bool prefetch_l2, int64_t amx_rows, bool prefetch_one_l2) {
   TORCH_CHECK(gemv_supported(x.scalar_type()), "miniserve::gemv: no kernel for ", x.scalar_type(), " on this CPU");
   TORCH_CHECK(x.dim() == 2, "miniserve::gemv: x must be 2-D (rows, K)");
   TORCH_CHECK(x.is_contiguous() && wp.is_contiguous(), "miniserve::gemv: x and the panels must be contiguous");
@@ -557,7 +575,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
 #ifdef MINISERVE_X86
   Prefetch stream;
   stream.ahead = (M > 1 ? prefetch : prefetch_one) / kStepBytes;
-  stream.to_l2 = prefetch_l2;
+  stream.to_l2 = M > 1 ? prefetch_l2 : prefetch_one_l2;
   auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); };
   if (!bf16 && cpu_has_avx512()) {
     run_panels<kBlockRows>(x.data_ptr<float>(), wp.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr,
@@ -610,7 +628,8 @@ void allow_cpu_features(bool avx2, bool avx512, bool avx512_bf16, bool amx_bf16)
 
 TORCH_LIBRARY(miniserve, m) {
   m.def("gemv(Tensor x, Tensor panels, Tensor? bias, int N, int K, int row_block=64, int k_block=256, "
-        "int prefetch_one=0, int prefetch=16384, bool prefetch_l2=False, int amx_rows=0) -> Tensor");
+        "int prefetch_one=0, int prefetch=16384, bool prefetch_l2=False, int amx_rows=0, "
+        "bool prefetch_one_l2=False) -> Tensor");
   m.def("gemv_supported(ScalarType dtype) -> bool", &gemv_supported);
   m.def("gemv_amx_supported() -> bool", &gemv_amx_supported);
   m.def("allow_cpu_features(bool avx2, bool avx512, bool avx512_bf16, bool amx_bf16=False) -> ()", &allow_cpu_features);
