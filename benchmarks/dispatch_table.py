@@ -54,11 +54,13 @@ def main() -> None:
             for rows, choice in zip(dispatch.ROW_CLASSES, table.linear[d]):
                 t = lin[str(rows)]
                 print(f"{d}: {rows:5d} " + " ".join(f"{1e3 * t[c]:10.3f}" for c in cols) + f"   {choice}")
-        for rows, t in table.timings[d].get("gemv_prefetch", {}).items():  # per "distance,l2"
+        for rows, t in table.timings[d].get("gemv_prefetch", {}).items():  # "distance,l2" or "stream_rows"
             def name(key: str) -> str:
+                if "," not in key:
+                    return f"one sweep up to {key} rows"
                 distance, l2 = key.split(",")
                 return f"{int(distance) >> 10} KiB into {'L2' if l2 == '1' else 'L1'}" if int(distance) else "none"
-            print(f"{d}: gemv prefetch at {rows} rows: " + ", ".join(f"{name(k)} {1e3 * s:.3f} ms" for k, s in t.items()))
+            print(f"{d}: gemv tuning at {rows} rows: " + ", ".join(f"{name(k)} {1e3 * s:.3f} ms" for k, s in t.items()))
         print(f"{d}: gemv tuning chosen: {tuning}")
         shapes = {"decode": "8 decodes x 256 keys", "prefill": "a 128-token chunk after 128"}
         for phase in dispatch.PHASES:

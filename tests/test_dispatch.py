@@ -225,7 +225,8 @@ def test_a_cached_amx_threshold_is_dropped_where_this_process_has_no_tiles(monke
 
 def test_the_gemv_tuning_takes_each_row_counts_fastest_distance_apart(monkeypatch):
     """The one-row distance and the several-row one are chosen each at its own row count, levels
-    included: a machine whose one row wants 2 KiB into L1 and whose 8 rows want 16 KiB into L2 gets both."""
+    included (a machine whose one row wants 2 KiB into L1 and whose 8 rows want 16 KiB into L2 gets
+    both), then how many rows one sweep takes, at 12 and 16 rows, with those distances."""
     calls = []
 
     class Probe:
@@ -235,15 +236,21 @@ def test_the_gemv_tuning_takes_each_row_counts_fastest_distance_apart(monkeypatc
         def gemv(self, rows, tuning):
             calls.append((rows, tuning))
 
+    best = {1: "2048,0", 8: "16384,1", 12: "16", 16: "12"}
+    slow = {16: {"16": 1.5}}  # at 16 rows a sweep of 16 loses a little to 12's blocks, not enough to matter
+
     def fastest(fns, repeats):
         for fn in fns.values():
             fn()
-        best = {"1": "2048,0", "8": "16384,1"}[str(calls[-1][0])]
-        return {name: (1.0 if name == best else 2.0) for name in fns}
+        rows = calls[-1][0]
+        return {name: (1.0 if name == best[rows] else slow.get(rows, {}).get(name, 3.0)) for name in fns}
 
     monkeypatch.setattr(dispatch, "_fastest_alternating", fastest)
     tuning, timings = dispatch.tune_gemv(torch.float32, Probe())
-    assert tuning == GemvTuning(prefetch_one=2048, prefetch_one_l2=False, prefetch=16384, prefetch_l2=True)
+    assert tuning == GemvTuning(prefetch_one=2048, prefetch_one_l2=False, prefetch=16384, prefetch_l2=True,
+                                stream_rows=16)  # 12 rows: 1 + 3; 16: 3 + 1.5
     assert set(timings["1"]) == {f"{d},{int(l2)}" for d, l2 in dispatch.PREFETCH_ONE}
     assert set(timings["8"]) == {f"{d},{int(l2)}" for d, l2 in dispatch.PREFETCH}
-    assert {rows for rows, _ in calls} == {1, 8} and all(t.amx_rows == 0 for _, t in calls)  # the vector loop
+    assert set(timings["12"]) == set(timings["16"]) == {str(n) for n in dispatch.STREAM_ROWS}
+    assert {rows for rows, _ in calls} == {1, 8, 12, 16} and all(t.amx_rows == 0 for _, t in calls)  # the vector loop
+    assert all(t.prefetch == 16384 and t.prefetch_one == 2048 for rows, t in calls if rows >= 12)

@@ -216,6 +216,8 @@ def _case(x, w, bias=None, n=None, k=None):
     (lambda: (*_case(torch.randn(1, 8), torch.randn(4, 8)), 64, 3), "k_block must be even"),
     (lambda: (*_case(torch.randn(1, 8), torch.randn(4, 8)), 64, 256, -128), "prefetch distances are bytes >= 0"),
     (lambda: (*_case(torch.randn(1, 8), torch.randn(4, 8)), 64, 256, 0, 16384, False, -1), "amx_rows must be >= 0"),
+    (lambda: (*_case(torch.randn(1, 8), torch.randn(4, 8)), 64, 256, 0, 16384, False, 0, False, 17),
+     "stream_rows must be in \\[8, 16\\], got 17"),
 ])
 def test_bad_input_is_a_clear_error(make, message):
     kernels.gemv(torch.float32)  # built and registered
@@ -228,13 +230,15 @@ def test_bad_input_is_a_clear_error(make, message):
 @given(dtype=st.sampled_from([d for d, ok in EXPECTED.items() if ok] or [torch.float32]), rows=st.integers(1, 40),
        k=st.integers(1, 200), n=st.integers(1, 100), seed=st.integers(0, 2**16))
 def test_how_the_weights_are_asked_for_changes_no_value(dtype, rows, k, n, seed):
-    """Each prefetch tuning dispatch.py may choose: where the weight stream is asked for, not what is summed."""
+    """Each tuning dispatch.py may choose: where the weight stream is asked for and how many rows one
+    sweep of it takes, not what is summed (every output's sum is one chain in k order either way)."""
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
     panels, gemv = kernels.pack_panels(w), kernels.gemv(dtype)
     base = gemv(x, panels, None, 64, 256, kernels.GemvTuning(prefetch_one=0, prefetch=0))
     tunings = ([kernels.GemvTuning(prefetch_one=d, prefetch_one_l2=l2) for d, l2 in dispatch.PREFETCH_ONE]
-               + [kernels.GemvTuning(prefetch=d, prefetch_l2=l2) for d, l2 in dispatch.PREFETCH])
+               + [kernels.GemvTuning(prefetch=d, prefetch_l2=l2) for d, l2 in dispatch.PREFETCH]
+               + [kernels.GemvTuning(stream_rows=n) for n in dispatch.STREAM_ROWS])
     for tuning in tunings:
         assert torch.equal(gemv(x, panels, None, 64, 256, tuning), base)
 

@@ -87,13 +87,16 @@ def can_run(op: str, dtype: torch.dtype, features: frozenset[str] | None = None)
 class GemvTuning:
     """How the gemv runs on this machine (dispatch.py measures it): how far ahead of its arithmetic a
     one-row and a several-row product ask for the weights (bytes; 0 leaves it to the hardware
-    prefetcher), each into L2 or L1, and from how many rows a bf16 product runs on AMX tiles (0: never)."""
+    prefetcher), each into L2 or L1, from how many rows a bf16 product runs on AMX tiles (0: never),
+    and up to how many rows one sweep of the weights multiplies them all (past that, rows are taken
+    8 at a time over blocks of K held in cache)."""
 
     prefetch_one: int = 0
     prefetch: int = 16 << 10
     prefetch_l2: bool = False  # the several-row distance's level
     amx_rows: int = 0
     prefetch_one_l2: bool = False  # the one-row distance's level
+    stream_rows: int = 8  # 8-16
 
 
 @dataclass(frozen=True)
@@ -259,7 +262,8 @@ def gemv(dtype: torch.dtype):
     def run(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None, row_block: int = 64,
             k_block: int = 256, tuning: GemvTuning = GemvTuning()) -> torch.Tensor:
         return op(x, panels.data, bias, panels.n, panels.k, row_block, k_block, tuning.prefetch_one,
-                  tuning.prefetch, tuning.prefetch_l2, tuning.amx_rows, tuning.prefetch_one_l2)
+                  tuning.prefetch, tuning.prefetch_l2, tuning.amx_rows, tuning.prefetch_one_l2,
+                  tuning.stream_rows)
 
     return run
 

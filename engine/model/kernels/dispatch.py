@@ -14,8 +14,9 @@ dispatches to the faster:
   AMX a bf16 chunk attends faster in SDPA, on the tiles, and decodes in the kernel);
 - the gemv's own tuning (``kernels.GemvTuning``): how far ahead, into L1 or L2, it asks for its
   weight stream at one row (``PREFETCH_ONE``'s candidates, timed at 1 row) and at more
-  (``PREFETCH``'s, timed at 8 rows) and, for bf16 on a CPU with AMX, from which row class its
-  tiles beat its vector loop (``fold_amx``).
+  (``PREFETCH``'s, timed at 8 rows), up to how many rows one sweep of the weights takes them all
+  (``STREAM_ROWS``, timed at 12 and 16 rows) and, for bf16 on a CPU with AMX, from which row class
+  its tiles beat its vector loop (``fold_amx``).
 
 Each linear candidate reads its own layout of the weights, and a second layout costs a whole
 model's worth of memory (issue 16: the 1.5B shape in fp32 barely fitted a 24 GB machine with
@@ -61,6 +62,9 @@ ROW_CLASSES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # against each other on this one
 PREFETCH_ONE = ((0, False), (1 << 10, False), (2 << 10, False), (8 << 10, False), (32 << 10, True))
 PREFETCH = ((2 << 10, False), (4 << 10, False), (16 << 10, False), (16 << 10, True))
+# up to how many rows the gemv sweeps the weights once for all rows (past that: 8-row passes over
+# blocks of K in cache): 16 rows' sums fill every AVX-512 register, so the compiler spills
+STREAM_ROWS = (8, 12, 16)
 # a decoder layer's four products (qkv, o, gate+up, down) as (outputs, inputs), Qwen2.5-0.5B's: the
 # candidates are timed on layers of these, as a model call runs them (a product's own overhead
 # counts: ~0.1 ms per oneDNN call at one row on one CPU, a fifth of a decode's linears)
@@ -304,20 +308,31 @@ class ProbeWeights:
 
 @torch.inference_mode()
 def tune_gemv(dtype: torch.dtype, probe: ProbeWeights, repeats: int = 5) -> tuple[GemvTuning, dict]:
-    """The gemv's fastest weight stream here: ``PREFETCH_ONE``'s distance timed at 1 row,
-    ``PREFETCH``'s at 8 (the vector loop: the tiles' row count is chosen after), with the seconds
-    that chose them (per row count, per ``"distance,l2"``)."""
+    """The gemv's fastest weight stream here, on its vector loop (the tiles' row count is chosen
+    after): ``PREFETCH_ONE``'s distance timed at 1 row, ``PREFETCH``'s at 8, then ``STREAM_ROWS``
+    at 12 and 16 rows (the least summed time against each row count's best), with the seconds
+    that chose them (per row count, per ``"distance,l2"`` or ``"stream_rows"``)."""
     timings: dict[str, dict[str, float]] = {}
-    chosen = {}
-    for rows, candidates in ((1, PREFETCH_ONE), (8, PREFETCH)):
+
+    def fastest(rows: int, tunings: dict[str, GemvTuning]) -> dict[str, float]:
         xs = probe.inputs(rows)
-        tunings = {f"{d},{int(l2)}": (GemvTuning(prefetch_one=d, prefetch_one_l2=l2) if rows == 1
-                                      else GemvTuning(prefetch=d, prefetch_l2=l2)) for d, l2 in candidates}
         timings[str(rows)] = t = _fastest_alternating(
             {name: (lambda tuning=tuning: probe.gemv(xs, tuning)) for name, tuning in tunings.items()}, repeats)
-        chosen[rows] = tunings[min(t, key=t.get)]
-    one, several = chosen[1], chosen[8]
-    return replace(several, prefetch_one=one.prefetch_one, prefetch_one_l2=one.prefetch_one_l2), timings
+        return t
+
+    one = {f"{d},{int(l2)}": GemvTuning(prefetch_one=d, prefetch_one_l2=l2) for d, l2 in PREFETCH_ONE}
+    t = fastest(1, one)
+    tuning = one[min(t, key=t.get)]
+    several = {f"{d},{int(l2)}": replace(tuning, prefetch=d, prefetch_l2=l2) for d, l2 in PREFETCH}
+    t = fastest(8, several)
+    tuning = several[min(t, key=t.get)]
+    sweeps = {str(n): replace(tuning, stream_rows=n) for n in STREAM_ROWS}
+    score = dict.fromkeys(sweeps, 0.0)
+    for rows in (12, 16):
+        t = fastest(rows, sweeps)
+        for name in sweeps:
+            score[name] += t[name] / min(t.values())
+    return sweeps[min(score, key=score.get)], timings
 
 
 @torch.inference_mode()

@@ -60,6 +60,7 @@ namespace {
 
 constexpr int64_t kPanel = 32;     // output columns per panel (engine/kernels/__init__.py PANEL)
 constexpr int64_t kBlockRows = 8;  // rows per register block: 2 accumulators per row, 16 of 32 registers
+constexpr int64_t kStreamRowsMax = 16;  // the most rows one sweep of the weights takes (GemvTuning.stream_rows)
 constexpr int64_t kBlockRowsAvx2 = 6;  // AVX2's: two passes of 3 rows × a whole panel (12 accumulators)
 
 #ifdef MINISERVE_X86
@@ -277,17 +278,14 @@ MINISERVE_TARGET_AVX2 void finish_panel_avx2(const float* part, int64_t rows, co
   }
 }
 
-template <typename Fn>
-void for_rows(int64_t M, Fn&& fn) {
-  switch (M) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    default: fn(std::integral_constant<int, 8>{}); break;
+// fn(integral_constant<M>) for M = rows in [1, Max) and Max past that
+template <int Max, int M = 1, typename Fn>
+void for_rows(int64_t rows, Fn&& fn) {
+  if constexpr (M < Max) {
+    if (rows == M) return fn(std::integral_constant<int, M>{});
+    for_rows<Max, M + 1>(rows, fn);
+  } else {
+    fn(std::integral_constant<int, Max>{});
   }
 }
 
@@ -300,11 +298,15 @@ void for_chunks(int64_t M, int64_t row_block, Fn&& fn) {
   }
 }
 
-// Each thread takes a contiguous run of panels: one forward stream of weights. Up to BlockRows
-// rows (8; AVX2's 6) a panel is multiplied in one sweep of K while its weights stream from memory,
-// each k step asking for the weights `stream.ahead` steps on, into L1 or L2 (`stream.to_l2`; 0
-// leaves it to the hardware prefetcher): how far and where differs between CPUs, so dispatch.py
-// measures it (docs/architecture.md). Past BlockRows, K is cut into
+// Each thread takes a contiguous run of panels: one forward stream of weights. Up to `stream_rows`
+// rows (GemvTuning.stream_rows, between BlockRows and StreamRows: 8-16 with AVX-512, AVX2's 6) a
+// panel is multiplied in one sweep of K while its weights stream from memory, each k step asking
+// for the weights `stream.ahead` steps on, into L1 or L2 (`stream.to_l2`; 0 leaves it to the
+// hardware prefetcher): how far and where differs between CPUs, so dispatch.py measures it
+// (docs/architecture.md). Every row takes its FMAs while the weight is in a register and the sweep
+// asks memory for weights all the time; 16 rows' sums are all 32 AVX-512 registers, and what the
+// compiler then spills cost less than blocking did on one CPU (dispatch.py measures that too). Past
+// stream_rows, K is cut into
 // blocks of `block_steps` k steps (k pairs in bf16; dispatch.k_block sizes them to two thirds of
 // the L1 cache, AVX2's fp32 rounds that down to whole sub-blocks): every BlockRows-row block of
 // the row_block rows multiplies a k block in turn while it sits in cache, so the weights come
@@ -314,17 +316,20 @@ void for_chunks(int64_t M, int64_t row_block, Fn&& fn) {
 // (without that, memory and arithmetic took turns: at 32 rows the product cost the weight stream
 // plus three quarters of the FLOPs; asking for the whole next block in each pass, or in the first
 // one, sent the requests out in bursts and pushed this block out of the L1 before its later
-// passes: 0.93x (fp32) and 0.94x (bf16) the time of that at 32 rows, docs/architecture.md).
-template <int64_t BlockRows, typename T, typename Kernel, typename Finish>
+// passes: 0.93x (fp32) and 0.94x (bf16) the time of that at 32 rows, docs/architecture.md). Even
+// so the passes over a block overlap memory less than one sweep does, hence stream_rows.
+template <int64_t BlockRows, int64_t StreamRows, typename T, typename Kernel, typename Finish>
 void run_panels(const T* xp, const T* wpp, const T* bp, T* yp, int64_t M, int64_t N, int64_t K, int64_t steps,
-                int64_t block_steps, int64_t row_block, Prefetch stream, Kernel&& kernel, Finish&& finish) {
+                int64_t block_steps, int64_t row_block, int64_t stream_rows, Prefetch stream, Kernel&& kernel,
+                Finish&& finish) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const int64_t grain = std::max<int64_t>(1, panels / std::max(1, at::get_num_threads()));
   const int64_t step_elems = kPanel * (sizeof(T) == 2 ? 2 : 1), panel_elems = steps * step_elems;
   static_assert(kPanel * 4 == kStepBytes, "a k step of a panel is 128 bytes in fp32 and in bf16");
+  stream_rows = std::clamp<int64_t>(stream_rows, BlockRows, StreamRows);
   for_chunks<BlockRows>(M, row_block, [&](int64_t r0, int64_t r1, int64_t last) {
     const int64_t rows = r1 - r0;
-    const bool blocked = rows > BlockRows;
+    const bool blocked = rows > stream_rows;
     const int64_t block = blocked ? std::max<int64_t>(1, block_steps) : steps;
     const int64_t passes = (rows + BlockRows - 1) / BlockRows;
     at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
@@ -340,7 +345,6 @@ void run_panels(const T* xp, const T* wpp, const T* bp, T* yp, int64_t M, int64_
           const char* start = reinterpret_cast<const char*>(w) + s1 * kStepBytes;
           int64_t r = r0, pass = 0;
           auto share = [&]() {  // pass `pass`'s share of the next block, spread over its s1 - s0 k steps
-            if (!blocked) return stream;
             Prefetch pf;
             const int64_t lo = pass * next / passes, hi = (pass + 1) * next / passes;
             pf.next = start + lo * kStepBytes;
@@ -349,17 +353,19 @@ void run_panels(const T* xp, const T* wpp, const T* bp, T* yp, int64_t M, int64_
             ++pass;
             return pf;
           };
+          if (!blocked) {
+            for_rows<StreamRows>(rows, [&](auto m) {
+              kernel(m, std::false_type{}, xp + r * K, K, w, s0, s1, part.data(), stream);
+            });
+            continue;
+          }
           for (; r + BlockRows < r1; r += BlockRows) {
             kernel(std::integral_constant<int, BlockRows>{}, std::true_type{}, xp + r * K, K, w, s0, s1,
                    part.data() + (r - r0) * kPanel, share());
           }
           const Prefetch pf = share();
-          for_rows(last, [&](auto m) {
-            if (blocked) {
-              kernel(m, std::true_type{}, xp + r * K, K, w, s0, s1, part.data() + (r - r0) * kPanel, pf);
-            } else {
-              kernel(m, std::false_type{}, xp + r * K, K, w, s0, s1, part.data() + (r - r0) * kPanel, pf);
-            }
+          for_rows<BlockRows>(last, [&](auto m) {
+            kernel(m, std::true_type{}, xp + r * K, K, w, s0, s1, part.data() + (r - r0) * kPanel, pf);
           });
         }
         finish(part.data(), rows, bp, yp + r0 * N, p, N);
@@ -507,7 +513,7 @@ void run_panels_amx(const uint16_t* xp, const uint16_t* wpp, const uint16_t* bp,
           }
         }
         for (int64_t r = 0; kk_tiles < pairs && r < rows; r += kBlockRows) {  // the k pairs the tiles left
-          for_rows(std::min<int64_t>(kBlockRows, rows - r), [&](auto m) {
+          for_rows<kBlockRows>(std::min<int64_t>(kBlockRows, rows - r), [&](auto m) {
             panel_bf16<decltype(m)::value, false>(xp + (r0 + r) * K, K, w, kk_tiles, pairs, sums + r * kPanel,
                                                   Prefetch{});
           });
@@ -539,11 +545,12 @@ bool gemv_amx_supported() {
 
 // prefetch_one / prefetch: how far ahead (bytes) a one-row / a several-row product asks for the
 // weight stream (0: not at all), into L2 when prefetch_one_l2 / prefetch_l2 else L1; amx_rows: from
-// how many rows a bf16 product runs on AMX tiles (0: never; fp32 has no tile path). dispatch.py
+// how many rows a bf16 product runs on AMX tiles (0: never; fp32 has no tile path); stream_rows: up
+// to how many rows (8-16; AVX2 takes 6) one sweep of the weights multiplies them all. dispatch.py
 // measures them per machine.
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias, int64_t N,
                int64_t K, int64_t row_block, int64_t k_block, int64_t prefetch_one, int64_t prefetch,
-               bool prefetch_l2, int64_t amx_rows, bool prefetch_one_l2) {
+               bool prefetch_l2, int64_t amx_rows, bool prefetch_one_l2, int64_t stream_rows) {
   TORCH_CHECK(gemv_supported(x.scalar_type()), "miniserve::gemv: no kernel for ", x.scalar_type(), " on this CPU");
   TORCH_CHECK(x.dim() == 2, "miniserve::gemv: x must be 2-D (rows, K)");
   TORCH_CHECK(x.is_contiguous() && wp.is_contiguous(), "miniserve::gemv: x and the panels must be contiguous");
@@ -563,6 +570,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
   TORCH_CHECK(prefetch_one >= 0 && prefetch >= 0, "miniserve::gemv: prefetch distances are bytes >= 0, got ",
               prefetch_one, " and ", prefetch);
   TORCH_CHECK(amx_rows >= 0, "miniserve::gemv: amx_rows must be >= 0 (0: never), got ", amx_rows);
+  TORCH_CHECK(stream_rows >= kBlockRows && stream_rows <= kStreamRowsMax, "miniserve::gemv: stream_rows must be in [",
+              kBlockRows, ", ", kStreamRowsMax, "], got ", stream_rows);
   TORCH_CHECK(amx_rows == 0 || gemv_amx_supported(), "miniserve::gemv: amx_rows=", amx_rows,
               " but this CPU (as allowed) has no AMX bf16 tiles");
   const bool has_bias = bias.has_value() && bias->defined();
@@ -578,8 +587,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
   stream.to_l2 = M > 1 ? prefetch_l2 : prefetch_one_l2;
   auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); };
   if (!bf16 && cpu_has_avx512()) {
-    run_panels<kBlockRows>(x.data_ptr<float>(), wp.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr,
-               y.data_ptr<float>(), M, N, K, K, k_block, row_block, stream,
+    run_panels<kBlockRows, kStreamRowsMax>(x.data_ptr<float>(), wp.data_ptr<float>(),
+               has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N, K, K, k_block, row_block,
+               stream_rows, stream,
                [](auto rows, auto spread, auto&&... args) {
                  panel_f32<decltype(rows)::value, decltype(spread)::value>(args...);
                },
@@ -590,8 +600,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
     // set-up for a third of a sub-block's work. The next block each pass asks for shrinks with it
     // (docs/architecture.md has the figures)
     const int64_t avx2_block = std::max(kSubSteps, k_block / kSubSteps * kSubSteps);
-    run_panels<kBlockRowsAvx2>(x.data_ptr<float>(), wp.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr,
-               y.data_ptr<float>(), M, N, K, K, avx2_block, row_block, stream,
+    run_panels<kBlockRowsAvx2, kBlockRowsAvx2>(x.data_ptr<float>(), wp.data_ptr<float>(),
+               has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N, K, K, avx2_block,
+               row_block, kBlockRowsAvx2, stream,
                [](auto rows, auto spread, auto&&... args) {
                  panel_f32_avx2<decltype(rows)::value, decltype(spread)::value>(args...);
                },
@@ -601,9 +612,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
     run_panels_amx(bits(x), bits(wp), has_bias ? bits(*bias) : nullptr, bits(y), M, N, K, row_block, stream);
 #endif
   } else {
-    run_panels<kBlockRows>(static_cast<const uint16_t*>(bits(x)), static_cast<const uint16_t*>(bits(wp)),
-               has_bias ? static_cast<const uint16_t*>(bits(*bias)) : nullptr, bits(y), M, N, K, (K + 1) / 2,
-               (k_block + 1) / 2, row_block, stream,
+    run_panels<kBlockRows, kStreamRowsMax>(static_cast<const uint16_t*>(bits(x)),
+               static_cast<const uint16_t*>(bits(wp)), has_bias ? static_cast<const uint16_t*>(bits(*bias)) : nullptr,
+               bits(y), M, N, K, (K + 1) / 2, (k_block + 1) / 2, row_block, stream_rows, stream,
                [](auto rows, auto spread, auto&&... args) {
                  panel_bf16<decltype(rows)::value, decltype(spread)::value>(args...);
                },
@@ -629,7 +640,7 @@ void allow_cpu_features(bool avx2, bool avx512, bool avx512_bf16, bool amx_bf16)
 TORCH_LIBRARY(miniserve, m) {
   m.def("gemv(Tensor x, Tensor panels, Tensor? bias, int N, int K, int row_block=64, int k_block=256, "
         "int prefetch_one=0, int prefetch=16384, bool prefetch_l2=False, int amx_rows=0, "
-        "bool prefetch_one_l2=False) -> Tensor");
+        "bool prefetch_one_l2=False, int stream_rows=8) -> Tensor");
   m.def("gemv_supported(ScalarType dtype) -> bool", &gemv_supported);
   m.def("gemv_amx_supported() -> bool", &gemv_amx_supported);
   m.def("allow_cpu_features(bool avx2, bool avx512, bool avx512_bf16, bool amx_bf16=False) -> ()", &allow_cpu_features);
