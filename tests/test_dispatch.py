@@ -246,6 +246,7 @@ def test_the_gemv_tuning_takes_each_row_counts_fastest_distance_apart(monkeypatc
         return {name: (1.0 if name == best[rows] else slow.get(rows, {}).get(name, 3.0)) for name in fns}
 
     monkeypatch.setattr(dispatch, "_fastest_alternating", fastest)
+    monkeypatch.setattr(dispatch, "cpu_features", lambda: frozenset({"avx2", "avx512"}))
     tuning, timings = dispatch.tune_gemv(torch.float32, Probe())
     assert tuning == GemvTuning(prefetch_one=2048, prefetch_one_l2=False, prefetch=16384, prefetch_l2=True,
                                 stream_rows=16)  # 12 rows: 1 + 3; 16: 3 + 1.5
@@ -254,3 +255,8 @@ def test_the_gemv_tuning_takes_each_row_counts_fastest_distance_apart(monkeypatc
     assert set(timings["12"]) == set(timings["16"]) == {str(n) for n in dispatch.STREAM_ROWS}
     assert {rows for rows, _ in calls} == {1, 8, 12, 16} and all(t.amx_rows == 0 for _, t in calls)  # the vector loop
     assert all(t.prefetch == 16384 and t.prefetch_one == 2048 for rows, t in calls if rows >= 12)
+
+    calls.clear()  # an AVX2-only CPU: its loop takes 6 rows a sweep whatever the tuning says, so none timed
+    monkeypatch.setattr(dispatch, "cpu_features", lambda: frozenset({"avx2"}))
+    tuning, timings = dispatch.tune_gemv(torch.float32, Probe())
+    assert tuning.stream_rows == GemvTuning().stream_rows and set(timings) == {"1", "8"}

@@ -326,6 +326,8 @@ def tune_gemv(dtype: torch.dtype, probe: ProbeWeights, repeats: int = 5) -> tupl
     several = {f"{d},{int(l2)}": replace(tuning, prefetch=d, prefetch_l2=l2) for d, l2 in PREFETCH}
     t = fastest(8, several)
     tuning = several[min(t, key=t.get)]
+    if "avx512" not in cpu_features():  # the AVX2 loop's sweeps take 6 rows whatever stream_rows says
+        return tuning, timings
     sweeps = {str(n): replace(tuning, stream_rows=n) for n in STREAM_ROWS}
     score = dict.fromkeys(sweeps, 0.0)
     for rows in (12, 16):
