@@ -87,8 +87,8 @@ def main() -> None:
         print(f"{d}: the dispatch table has the kernel attend {sorted(runner.kernel_phases) or 'no phase'} "
               "of a step here, SDPA the rest")
         if kernel is None:
-            print(f"{d}: no decode attention kernel on this machine (needs AVX-512 and a C++ compiler); "
-                  "decodes attend with SDPA")
+            print(f"{d}: no attention kernel on this machine (fp32 needs AVX2, bf16 AVX-512, and a C++ "
+                  "compiler); every step attends with SDPA")
             continue
         print(f"{d}: one layer's decode attention, SDPA and the kernel alternating (threads={torch.get_num_threads()})")
         layer_rates(runner, kernel, getattr(torch, d), args.repeats * 5)

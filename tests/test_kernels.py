@@ -266,6 +266,25 @@ def test_the_gemv_on_amx_tiles_equals_the_exact_product_up_to_rounding(rows, k, 
 
 
 @NEEDS_AMX
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_tiles_asking_for_each_next_panel_change_no_value(threads):
+    """Several panels per thread, so every panel but a thread's last asks for its successor while
+    the tiles multiply (the request is a prefetch: the values are the one-panel-per-call values)."""
+    before = torch.get_num_threads()
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(32 * 24 + 5, 300, generator=g).bfloat16(), torch.randn(37, 300, generator=g).bfloat16()
+    panels, gemv = kernels.pack_panels(w), kernels.gemv(torch.bfloat16)
+    try:
+        torch.set_num_threads(threads)
+        y = gemv(x, panels, None, 64, 256, kernels.GemvTuning(amx_rows=1))
+    finally:
+        torch.set_num_threads(before)
+    for p0 in range(0, w.shape[0], 32):  # each panel alone: no next panel to ask for
+        one = gemv(x, kernels.pack_panels(w[p0:p0 + 32]), None, 64, 256, kernels.GemvTuning(amx_rows=1))
+        assert torch.equal(y[:, p0:p0 + 32], one)
+
+
+@NEEDS_AMX
 def test_the_tiles_run_from_amx_rows_on_and_the_vector_loop_below():
     """A case where the two paths round a few outputs differently (a k pair's two products added in
     the other order, over 4864 inputs), so which path ran shows in the values."""

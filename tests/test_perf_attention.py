@@ -75,3 +75,39 @@ def test_dense_equal_context_decodes_need_no_mask_and_match_reference():
         expected = reference_logits(ref, reqs[rid].token_ids(0, 7))
         assert (expected - logits[k]).abs().max().item() <= 1e-5
         assert result.token_ids[k] == int(expected.argmax())
+
+
+
+@pytest.mark.parametrize("phases", [frozenset(), frozenset({"decode"}), frozenset({"prefill"}),
+                                    frozenset({"decode", "prefill"})])
+@pytest.mark.parametrize("q_lens, ctx_lens", [([1, 1, 1], [4, 9, 2]),  # decodes only
+                                              ([5, 3], [0, 6]),  # chunks only
+                                              ([1, 1, 4, 1], [7, 3, 0, 2])])  # decodes, then chunks (one of 1 token)
+def test_the_kernel_gets_exactly_the_rows_of_its_phases(phases, q_lens, ctx_lens):
+    """Pure layout, on any machine (the kernel is any callable): the packed rows the kernel attends,
+    their slots and key counts, and what is left to SDPA (the batched decodes, the chunks' masks)."""
+    kernel = object()
+    b = RaggedBatch.build([2, 0, 3, 1][:len(q_lens)], q_lens, ctx_lens, "ragged", kernel, phases)
+    expected = {  # (q_lens, phases) -> the kernel's rows, None: no kernel call
+        (3, frozenset()): None, (3, frozenset({"decode"})): (0, 3), (3, frozenset({"prefill"})): None,
+        (3, frozenset({"decode", "prefill"})): (0, 3),
+        (2, frozenset()): None, (2, frozenset({"decode"})): None, (2, frozenset({"prefill"})): (0, 8),
+        (2, frozenset({"decode", "prefill"})): (0, 8),
+        (4, frozenset()): None, (4, frozenset({"decode"})): (0, 2), (4, frozenset({"prefill"})): (2, 7),
+        (4, frozenset({"decode", "prefill"})): (0, 7),
+    }[len(q_lens), phases]
+    rows = sum(q_lens)
+    if expected is None:
+        assert b.kernel is None and not b.kernel_attends_all
+    else:
+        lo, hi = expected
+        assert b.kernel is kernel and b.kernel_rows == expected and b.kernel_attends_all == (expected == (0, rows))
+        assert b.kernel_slots.tolist() == b.write_slots.tolist()[lo:hi]
+        assert b.kernel_lens.tolist() == [p + 1 for p in b.write_positions.tolist()[lo:hi]]
+    decodes = 3 if len(q_lens) == 3 else 2 if len(q_lens) == 4 else 0  # leading one-token entries
+    decodes_by_kernel = expected is not None and expected[0] == 0
+    chunks_by_kernel = expected is not None and expected[1] == rows and decodes < len(q_lens)
+    assert b.first_chunk == decodes
+    assert b.num_decodes == (0 if decodes_by_kernel else decodes)  # SDPA's one batched call
+    if decodes < len(q_lens):  # SDPA's per-chunk masks, where it attends the chunks
+        assert (b.chunk_masks is None) == chunks_by_kernel

@@ -284,7 +284,7 @@ def decode_attention(dtype: torch.dtype, head_dim: int):
     if not _load():
         return None
     if not can_run("decode_attention", dtype) or head_dim not in ATTENTION_HEAD_DIMS:
-        log.info("no decode attention kernel for %s, head dim %d on this CPU; decodes attend with SDPA",
+        log.info("no attention kernel for %s, head dim %d on this CPU; every step attends with SDPA",
                  dtype, head_dim)
         return None
     _agree("decode_attention", torch.ops.miniserve.decode_attention_supported(dtype, head_dim))

@@ -6,11 +6,12 @@
 // Why: a decode step reads every weight once and does little arithmetic with it, so at a few rows
 // its time is how fast the weights stream from memory, and oneDNN's linear reads them below what a
 // plain sweep of the same bytes reaches (docs/architecture.md has the figures). Here each weight
-// byte is loaded once, in address order, and used for up to 8 rows while it is in a register: w is
+// byte is loaded once, in address order, and used for every row while it is in a register (up to
+// stream_rows rows, 8-16, measured per machine; AVX2 6): w is
 // stored as panels of 32 output columns (engine/kernels/__init__.py pack_panels), so one k step of
 // a panel is two vectors holding 32 outputs' weights; each row's x[k] is broadcast and multiplied
 // in (fp32 FMA; bf16 AVX512-BF16 dot products over k pairs, summed in fp32 as oneDNN's bf16 matmul
-// does, except that these instructions flush bf16 denormals to zero). Past 8 rows a panel's k
+// does, except that these instructions flush bf16 denormals to zero). Past stream_rows a panel's k
 // block is multiplied into the rows 8 at a time while it sits in L1, so the weights still come from
 // memory once and the work becomes FMA-bound. Each output keeps one running sum in k order (in
 // registers over a k block, in L1 between blocks), so there are no reductions across lanes and the
