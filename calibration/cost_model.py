@@ -11,7 +11,11 @@ Torch-free, so the simulator can load a profile without the model. Features (per
                      piecewise-linear function of T. Measured on this CPU it is not linear, not even
                      monotone: T=1 runs matrix-vector kernels (~0.15 s on the 0.5B model), T=2, 3
                      and 7 cost up to three times that, T=4 and 8 less, and from ~16 tokens it grows
-                     ~linearly; so every small T is a knot.
+                     ~linearly; so every small T is a knot. So is the row count just past each one
+                     up to which the engine's gemv may sweep the weights once for all rows (9, 13,
+                     17: GemvTuning.stream_rows 8, 12 or 16, measured per machine): the cost steps
+                     up there (fp32 13% from 16 to 17 rows on one CPU), which a tent from 16 to 24
+                     priced as a straight line.
   samples@K          the same on the number of sampled rows S (the lm_head matmul, skipped when S=0)
 Tents are ``max(0, 1 − |x − K_i| / gap)`` between neighbouring knots and ``x / K_last`` past the last,
 so a call larger than any measured one extrapolates proportionally (compute-bound).
@@ -32,7 +36,7 @@ from pathlib import Path
 
 from engine.core.plan import BatchPlan
 
-TOKEN_KNOTS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64, 128, 256)
+TOKEN_KNOTS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 16, 17, 24, 32, 64, 128, 256)
 SAMPLE_KNOTS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
 BASE_FEATURES: tuple[str, ...] = ("const", "prefill_tokens", "decode_tokens", "decode_context",
                                   "prefill_attention", "num_requests")
