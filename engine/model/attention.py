@@ -36,8 +36,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from engine.model.kernels.dispatch import PHASES
+
 ATTN_IMPLEMENTATION = "miniserve_ragged"
-KERNEL_PHASES = frozenset({"decode", "prefill"})  # a step's two phases, both by the kernel where it attends
+KERNEL_PHASES = frozenset(PHASES)  # a step's two phases, both by the kernel where it attends
 
 try:  # optional, CUDA only: all of a step's prefill chunks in one varlen kernel
     from flash_attn import flash_attn_varlen_func
@@ -102,9 +104,7 @@ class RaggedBatch:
             hi = len(positions) if chunks_by_kernel else d
             if lo < hi:
                 batch.kernel, batch.kernel_rows = kernel, (lo, hi)
-                whole = (lo, hi) == (0, len(positions))
-                batch.kernel_slots = token_slots if whole else token_slots[lo:hi]
-                batch.kernel_lens = positions[lo:hi] + 1
+                batch.kernel_slots, batch.kernel_lens = token_slots[lo:hi], positions[lo:hi] + 1
             if not chunks_by_kernel:
                 batch.chunk_masks = [_chunk_mask(n, ctx) for n, ctx in zip(q_lens, ctx_lens)]
             if d and not decodes_by_kernel:
@@ -191,11 +191,10 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         out = F.scaled_dot_product_attention(query, k[None], v[None], attn_mask=b.block_mask, scale=scaling,
                                              enable_gqa=True)
         return out.transpose(1, 2), None
-    heads, tokens, dim = query.shape[1:]
+    heads, dim = query.shape[1], query.shape[3]
     scale = scaling if scaling is not None else dim ** -0.5
     if b.kernel_attends_all:
-        q = query[0].transpose(0, 1).contiguous()  # (T, H, D)
-        return b.kernel(q, key, value, b.kernel_slots, b.kernel_lens, scale).view(1, tokens, heads, dim), None
+        return _kernel_rows(query, key, value, b, scale), None
     outs = []
     d = b.first_chunk
     if b.kernel is not None and b.kernel_rows[0] == 0:  # the decodes by the kernel

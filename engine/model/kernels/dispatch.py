@@ -53,7 +53,7 @@ from engine.model.kernels.features import ENV, cache_sizes, cpu_features, cpu_mo
 
 LINEAR = ("gemv", "onednn", "torch")
 ATTENTION = ("kernel", "sdpa")
-PHASES = ("decode", "prefill")  # engine.model.attention.KERNEL_PHASES
+PHASES = ("decode", "prefill")  # a step's two phases, attended apart (engine.model.attention)
 FORCEABLE = {"linear": LINEAR, "attention": ATTENTION, "decode_attention": ATTENTION,
              "prefill_attention": ATTENTION, "amx": ("on", "off")}
 ROW_CLASSES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

@@ -331,43 +331,43 @@ void run_panels(const T* xp, const T* wpp, const T* bp, T* yp, int64_t M, int64_
   for_chunks<BlockRows>(M, row_block, [&](int64_t r0, int64_t r1, int64_t last) {
     const int64_t rows = r1 - r0;
     const bool blocked = rows > stream_rows;
-    const int64_t block = blocked ? std::max<int64_t>(1, block_steps) : steps;
+    const int64_t block = std::max<int64_t>(1, block_steps);
     const int64_t passes = (rows + BlockRows - 1) / BlockRows;
     at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
       std::vector<float> part(rows * kPanel);  // the running sums of one panel's outputs
       for (int64_t p = p0; p < p1; ++p) {
         const T* w = wpp + p * panel_elems;
-        for (int64_t s0 = 0; s0 < steps; s0 += block) {
-          const int64_t s1 = std::min(steps, s0 + block);
-          // the next k block: this panel's, else the next panel's first (this thread's panels only)
-          const int64_t next = s1 < steps  ? std::min(steps, s1 + block) - s1
-                               : p + 1 < p1 ? std::min(steps, block)
-                                            : 0;
-          const char* start = reinterpret_cast<const char*>(w) + s1 * kStepBytes;
-          int64_t r = r0, pass = 0;
-          auto share = [&]() {  // pass `pass`'s share of the next block, spread over its s1 - s0 k steps
-            Prefetch pf;
-            const int64_t lo = pass * next / passes, hi = (pass + 1) * next / passes;
-            pf.next = start + lo * kStepBytes;
-            pf.end = start + hi * kStepBytes;
-            pf.every = std::max<int64_t>(1, (s1 - s0) / std::max<int64_t>(1, hi - lo));
-            ++pass;
-            return pf;
-          };
-          if (!blocked) {
-            for_rows<StreamRows>(rows, [&](auto m) {
-              kernel(m, std::false_type{}, xp + r * K, K, w, s0, s1, part.data(), stream);
-            });
-            continue;
-          }
-          for (; r + BlockRows < r1; r += BlockRows) {
-            kernel(std::integral_constant<int, BlockRows>{}, std::true_type{}, xp + r * K, K, w, s0, s1,
-                   part.data() + (r - r0) * kPanel, share());
-          }
-          const Prefetch pf = share();
-          for_rows<BlockRows>(last, [&](auto m) {
-            kernel(m, std::true_type{}, xp + r * K, K, w, s0, s1, part.data() + (r - r0) * kPanel, pf);
+        if (!blocked) {  // one sweep of the whole K, every row at once
+          for_rows<StreamRows>(rows, [&](auto m) {
+            kernel(m, std::false_type{}, xp + r0 * K, K, w, 0, steps, part.data(), stream);
           });
+        } else {  // blocks of K in cache, BlockRows rows a pass
+          for (int64_t s0 = 0; s0 < steps; s0 += block) {
+            const int64_t s1 = std::min(steps, s0 + block);
+            // the next k block: this panel's, else the next panel's first (this thread's panels only)
+            const int64_t next = s1 < steps  ? std::min(steps, s1 + block) - s1
+                                 : p + 1 < p1 ? std::min(steps, block)
+                                              : 0;
+            const char* start = reinterpret_cast<const char*>(w) + s1 * kStepBytes;
+            int64_t r = r0, pass = 0;
+            auto share = [&]() {  // pass `pass`'s share of the next block, spread over its s1 - s0 k steps
+              Prefetch pf;
+              const int64_t lo = pass * next / passes, hi = (pass + 1) * next / passes;
+              pf.next = start + lo * kStepBytes;
+              pf.end = start + hi * kStepBytes;
+              pf.every = std::max<int64_t>(1, (s1 - s0) / std::max<int64_t>(1, hi - lo));
+              ++pass;
+              return pf;
+            };
+            for (; r + BlockRows < r1; r += BlockRows) {
+              kernel(std::integral_constant<int, BlockRows>{}, std::true_type{}, xp + r * K, K, w, s0, s1,
+                     part.data() + (r - r0) * kPanel, share());
+            }
+            const Prefetch pf = share();
+            for_rows<BlockRows>(last, [&](auto m) {
+              kernel(m, std::true_type{}, xp + r * K, K, w, s0, s1, part.data() + (r - r0) * kPanel, pf);
+            });
+          }
         }
         finish(part.data(), rows, bp, yp + r0 * N, p, N);
       }
