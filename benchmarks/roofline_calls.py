@@ -1,32 +1,37 @@
 """Model-call time against this machine's limit, per call shape, in fp32 and bf16.
 
 Each call's roofline time is max(bytes moved / bandwidth, FLOPs / matmul throughput)
-(calibration.roofline). The machine is probed between the calls, not once: on this shared VM the
-memory bandwidth the host leaves us moved between 36 and 66 GB/s within a quarter of an hour, so
-a limit measured minutes away says little about a call. For each shape, ``--rounds`` times: probe
-bandwidth and matmul throughput, time the call (median of ``--repeats``); the call is compared with
-the faster of the probes just before and just after it, and the ratio reported is the median over
-rounds. Issue #7's fixed figures (21 GB/s; 210 GFLOP/s fp32, 750 bf16) are shown beside it.
-Before the shapes it prints the read rate of this process's own decode weights beside a fresh
-buffer's of their dtype: a process whose weights landed in slower memory decodes slower for its whole life, which
-the probes do not see (docs/architecture.md).
+(calibration.roofline). The limit is probed beside every call, not once: on a shared VM the
+memory bandwidth the host leaves moves between spells of seconds to minutes (36-66 GB/s within a
+quarter of an hour on one machine; single decode calls 44-68 ms within ten seconds on another), so
+a limit measured away from a call says little about it. For each shape, ``--pairs`` times: one
+bandwidth probe, one matmul probe, one call; each pair gives call / roofline at that pair's
+probes, and ``paired`` is the median of those ratios with its interquartile range (a spell slows
+the probe beside the call as it slows the call, so their ratio keeps the kernel's share). ``best``
+sets the fastest call against the fastest probes of the shape's pairs: both free of noise (noise
+here only adds time), the kernel against the machine undisturbed. Issue #7's fixed figures (21 GB/s;
+210 GFLOP/s fp32, 750 bf16) are shown beside them. Before the shapes it prints the read rate of
+this process's own decode weights beside a fresh buffer's of their dtype: a process whose weights
+landed in slower memory decodes slower for its whole life, which the probes do not see
+(docs/architecture.md).
 
 Then one profiled pass per shape splits the call: linears (oneDNN or miniserve's gemv), attention
 (miniserve's decode attention, SDPA) and the rest (norms, rotary, activations, KV writes,
 sampling, Python between them), with the rate the linears reached. That split says which kernel keeps a shape off its roofline.
 
-    flock /tmp/miniserve-bench.lock python benchmarks/roofline_calls.py [--dtypes float32,bfloat16]
+    flock /tmp/miniserve-bench.lock python benchmarks/roofline_calls.py [--dtypes float32,bfloat16] [--pairs 15]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import dataclass
 
 import torch
 from calls import shape_plan
 
-from calibration.roofline import (BandwidthProbe, Machine, ModelShape, call_work, fresh_like_gb_s, measure_matmul,
+from calibration.roofline import (BandwidthProbe, Machine, ModelShape, MatmulProbe, call_work, fresh_like_gb_s,
                                   roofline_s, tensors_read_gb_s)
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.model.runner import ModelRunner
@@ -45,8 +50,34 @@ LINEAR_OPS = ("mkldnn::_linear_pointwise", "miniserve::gemv", "aten::addmm", "at
 ATTENTION_OPS = ("miniserve::decode_attention",)  # and SDPA's ops, by name
 
 
-def time_call(runner: ModelRunner, plan: BatchPlan, reqs, repeats: int) -> float:
-    return statistics.median(runner.execute(plan, reqs).duration_s for _ in range(repeats))
+@dataclass
+class Pairs:
+    """One shape's (probe, call) pairs: each call's seconds and the machine probed just before it."""
+
+    calls_s: list[float]
+    machines: list[Machine]
+
+    def ratios(self, plan: BatchPlan, shape: ModelShape) -> list[float]:
+        return sorted(t / roofline_s(plan, shape, m) for t, m in zip(self.calls_s, self.machines))
+
+    def paired(self, plan: BatchPlan, shape: ModelShape) -> tuple[float, float, float]:
+        """The median of call / roofline over the pairs, and its quartiles."""
+        q1, q2, q3 = statistics.quantiles(self.ratios(plan, shape), n=4)
+        return q2, q1, q3
+
+    def best(self, plan: BatchPlan, shape: ModelShape) -> float:
+        """The fastest call against the fastest probes."""
+        fastest = Machine(max(m.bandwidth_bytes_s for m in self.machines), max(m.matmul_flops_s for m in self.machines))
+        return min(self.calls_s) / roofline_s(plan, shape, fastest)
+
+
+def time_pairs(runner: ModelRunner, plan: BatchPlan, reqs, memory: BandwidthProbe, matmul: MatmulProbe,
+               pairs: int) -> Pairs:
+    out = Pairs([], [])
+    for _ in range(pairs):
+        out.machines.append(Machine(memory.measure(1), matmul.measure(1)))
+        out.calls_s.append(runner.execute(plan, reqs).duration_s)
+    return out
 
 
 def split_call(runner: ModelRunner, plan: BatchPlan, reqs) -> tuple[float, float, float]:
@@ -69,14 +100,12 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2_5_0_5b")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=15, help="(probe, call) pairs per shape")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names from: " + ", ".join(SHAPES))
     args = ap.parse_args()
     shapes = {n: SHAPES[n] for n in (s.strip() for s in args.shapes.split(",")) if n}
     torch.set_num_threads(args.threads)
-    print(f"threads={torch.get_num_threads()}; {args.rounds} rounds of (probe, call) per shape, "
-          f"each call the median of {args.repeats}")
+    print(f"threads={torch.get_num_threads()}; {args.pairs} (probe, call) pairs per shape")
     worst: dict[str, float] = {}
     for d in args.dtypes.split(","):
         dtype = getattr(torch, d)
@@ -84,9 +113,7 @@ def main() -> None:
                              SchedulerConfig(max_num_seqs=32, max_model_len=1024))
         shape = ModelShape.of(runner.model)
         probe = BandwidthProbe(dtype, device=runner.device)  # the memory and matmuls the calls use
-
-        def machine_now() -> Machine:
-            return Machine(probe.measure(3), measure_matmul(dtype, 3, runner.device))
+        matmul = MatmulProbe(dtype, runner.device)
 
         # the decode weights' own read rate beside a fresh buffer's of their dtype: on a VM a process's
         # weights can land in slower memory for its whole life, its decode calls with them (docs/architecture.md)
@@ -98,29 +125,26 @@ def main() -> None:
               flush=True)
         issue = ISSUE_MACHINE.get(d)
         print(f"{d}: {'shape':12s} {'meas ms':>8s} {'probe GB/s':>11s} {'GFLOP/s':>8s} {'roof ms':>8s} {'bound':>7s} "
-              f"{'meas/roof':>9s}" + (f" {'issue roof':>10s} {'meas/issue':>10s}" if issue else ""), flush=True)
+              f"{'paired [p25-p75]':>17s} {'best':>5s}" + (f" {'issue roof':>10s} {'meas/issue':>10s}" if issue else ""),
+              flush=True)
         splits = {}
         for name, (contexts, chunks) in shapes.items():
             plan, reqs = shape_plan(runner, contexts, chunks, name.replace(" ", "_"))
             for _ in range(2):
                 runner.execute(plan, reqs)  # warm this shape
-            probes = [machine_now()]
-            times = []
-            for _ in range(args.rounds):
-                times.append(time_call(runner, plan, reqs, args.repeats))
-                probes.append(machine_now())
-            near = [Machine(max(a.bandwidth_bytes_s, b.bandwidth_bytes_s), max(a.matmul_flops_s, b.matmul_flops_s))
-                    for a, b in zip(probes, probes[1:])]
-            ratio = statistics.median(t / roofline_s(plan, shape, m) for t, m in zip(times, near))
-            t = statistics.median(times)
+            pairs = time_pairs(runner, plan, reqs, probe, matmul, args.pairs)
+            ratio, q1, q3 = pairs.paired(plan, shape)
+            best = pairs.best(plan, shape)
+            t = statistics.median(pairs.calls_s)
+            m = Machine(statistics.median(p.bandwidth_bytes_s for p in pairs.machines),
+                        statistics.median(p.matmul_flops_s for p in pairs.machines))
             nbytes, flops = call_work(plan, shape)
-            m = near[len(near) // 2]
             bound = "memory" if nbytes / m.bandwidth_bytes_s >= flops / m.matmul_flops_s else "compute"
-            bws = [p.bandwidth_bytes_s / 1e9 for p in probes]
-            row = (f"{d}: {name:12s} {1e3 * t:8.1f} {min(bws):5.0f}-{max(bws):<5.0f} "
-                   f"{statistics.median(p.matmul_flops_s for p in probes) / 1e9:8.0f} "
-                   f"{1e3 * roofline_s(plan, shape, m):8.1f} {bound:>7s} {ratio:9.2f}")
+            bws = [p.bandwidth_bytes_s / 1e9 for p in pairs.machines]
+            row = (f"{d}: {name:12s} {1e3 * t:8.1f} {min(bws):5.0f}-{max(bws):<5.0f} {m.matmul_flops_s / 1e9:8.0f} "
+                   f"{1e3 * roofline_s(plan, shape, m):8.1f} {bound:>7s} {ratio:6.2f} [{q1:4.2f}-{q3:4.2f}] {best:5.2f}")
             worst[f"probe_{d}"] = max(worst.get(f"probe_{d}", 0.0), ratio)
+            worst[f"best_{d}"] = max(worst.get(f"best_{d}", 0.0), best)
             if issue:
                 worst[f"issue_{d}"] = max(worst.get(f"issue_{d}", 0.0), t / roofline_s(plan, shape, issue))
                 row += f" {1e3 * roofline_s(plan, shape, issue):10.1f} {t / roofline_s(plan, shape, issue):10.2f}"

@@ -240,21 +240,40 @@ class BandwidthProbe:
             self._buf.close()
 
 
+MATMUL_SHAPES = ((256, 896, 4864), (512, 4864, 896), (1024, 1024, 1024))  # (rows, k, n): model-like products
+
+
+class MatmulProbe:
+    """This machine's matmul throughput for one dtype, kept ready (operands built and packed once)
+    so it can be measured again between model calls, as BandwidthProbe is: torch matmul or oneDNN's
+    pre-packed linear, whichever is faster, on the fastest of ``MATMUL_SHAPES``."""
+
+    def __init__(self, dtype: torch.dtype, device: Device = "cpu") -> None:
+        import torch
+
+        self.device = device
+        self._products = []  # (FLOPs, [the ways to compute one product])
+        with torch.inference_mode():
+            for m, k, n in MATMUL_SHAPES:
+                w, x = torch.randn(n, k, dtype=dtype, device=device), torch.randn(m, k, dtype=dtype, device=device)
+                ways = [lambda x=x, w=w: x @ w.T]
+                if _onednn_runs(dtype, device):
+                    pw = torch.ops.mkldnn._reorder_linear_weight(w, m)
+                    ways.append(lambda x=x, pw=pw: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], ""))
+                self._products.append((2 * m * k * n, ways))
+
+    def measure(self, repeats: int = 5) -> float:
+        """FLOP/s: each product's fastest way, best of ``repeats``; the fastest product's rate."""
+        import torch
+
+        with torch.inference_mode():
+            return max(flops / min(best_s(way, repeats, self.device) for way in ways)
+                       for flops, ways in self._products)
+
+
 def measure_matmul(dtype: torch.dtype, repeats: int = 5, device: Device = "cpu") -> float:
-    """Matmul throughput (FLOP/s) on model-like shapes: torch matmul or oneDNN's pre-packed linear,
-    whichever is faster, best of ``repeats``."""
-    import torch
-
-    def linear_s(m: int, k: int, n: int) -> float:
-        w, x = torch.randn(n, k, dtype=dtype, device=device), torch.randn(m, k, dtype=dtype, device=device)
-        t = best_s(lambda: x @ w.T, repeats, device)
-        if _onednn_runs(dtype, device):
-            pw = torch.ops.mkldnn._reorder_linear_weight(w, m)
-            t = min(t, best_s(lambda: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], ""), repeats))
-        return t
-
-    with torch.inference_mode():
-        return max(2 * m * k * n / linear_s(m, k, n) for m, k, n in ((256, 896, 4864), (512, 4864, 896), (1024, 1024, 1024)))
+    """Matmul throughput (FLOP/s) on model-like shapes (MatmulProbe), best of ``repeats``."""
+    return MatmulProbe(dtype, device).measure(repeats)
 
 
 def measure_machine(dtype: torch.dtype, repeats: int = 5, mem_bytes: int = 512 << 20, device: Device = "cpu"
