@@ -42,9 +42,9 @@ def watch_contention(engine: Engine) -> list[bool]:
     flags: list[bool] = []
     execute = engine.runner.execute
 
-    def timed(plan, requests, **kw):
+    def timed(plan, requests, *args, **kw):
         with Interval() as iv:
-            out = execute(plan, requests, **kw)
+            out = execute(plan, requests, *args, **kw)
         flags.append(iv.contended)
         return out
 
