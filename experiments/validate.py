@@ -322,7 +322,7 @@ def row_cost(cost: AnyCostModel, runs: list[dict], use_run_bandwidth: bool,
     physical model priced at the median over the row's real runs of the bandwidth each saw
     (``run_gb_s`` from ``source``), so a slow spell of the host's memory, or a process whose
     weights landed in slow memory, is not counted as simulator error. Where that is the calls'
-    bandwidth (one number per run, fitted to its calls' median) throughput under it is no
+    bandwidth (one number per run, fitted to its calls' total time) throughput under it is no
     independent test, but when and with whom each request is scheduled (TTFT, the batches) still
     is; the weights' stamps leave both."""
     if not use_run_bandwidth:

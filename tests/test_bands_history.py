@@ -87,6 +87,21 @@ def test_calls_gb_s_recovers_the_bandwidth_the_calls_were_made_at():
     assert calls_gb_s(phys, []) is None
 
 
+def test_calls_gb_s_prices_the_runs_whole_time_not_its_median_call():
+    """A run whose calls have a slow tail (a third of them twice their time at 25 GB/s): the
+    bandwidth it saw is the one at which the model predicts the run's total model time, below 25,
+    where the median call would have said 25 and priced the run too fast."""
+    phys = physical_model(machine=Machine(40.0, 400.0))
+    plans = [BatchPlan.of("t", [f"q{j}" for j in range(b)], (1,) * b, (100,) * b, (True,) * b, b)
+             for b in (1, 2, 4, 8) for _ in range(3)]
+    at25 = at_run_bandwidth(phys, 25.0)
+    calls = [(p, at25.predict(p) * (2.0 if i % 3 == 0 else 1.0)) for i, p in enumerate(plans)]
+    seen = calls_gb_s(phys, calls)
+    assert seen < 24.0
+    at_seen = at_run_bandwidth(phys, seen)
+    assert sum(at_seen.predict(p) for p, _ in calls) == pytest.approx(sum(t for _, t in calls), rel=2e-3)
+
+
 def runs_of(rows=3):
     """Three real runs per row; row i's calls saw 10·(i+1) GB/s and were stamped 100 + i."""
     return [{"row": i, "repeat": k, "attempt": 0, "memory_gb_s": 100.0 + i, "calls_gb_s": 10.0 * (i + 1)}
