@@ -136,7 +136,8 @@ def calls_gb_s(physical, calls: Sequence[tuple[object, float]], low: float = 1.0
     run's whole model time (Σ predicted = Σ measured). ``calls``: (plan, seconds). The total, not
     the median call: within one run on a busy host the calls spread 0.75–1.8× their prediction,
     with the long tail, so the bandwidth that fits the median call prices the run faster than it
-    ran (the seed burst 19% fast on a Zen 5; docs/architecture.md).
+    ran (on a Zen 5's default validation matrix, throughput 1.9% median / 8.3% worst off against
+    0.8% / 8.2% with the total; README's validation section).
     A stamp is a 0.1 s probe before and after a run; this is the whole run as the calls felt it,
     the machine's slow component measured where it matters. None when no bandwidth in
     [low, high] fits (calls all compute-bound, or none)."""
