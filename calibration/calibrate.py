@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from calibration.cost_model import FEATURES, SAMPLE_KNOTS, TOKEN_KNOTS, CostModel, plan_features
+from calibration.cost_model import FEATURES, SAMPLE_KNOTS, TOKEN_KNOTS, CostModel, plan_features, stamped_gb_s
 from calibration.fit import Errors, fit_nnls_on_knots, knot_map, split_heldout, supported_knots
 from calibration.physical import (PHYSICAL_FEATURES, ROW_KNOTS, Machine as PhysicalMachine, PhysicalCostModel, PhysicalShape,
                                   physical_features)
@@ -25,7 +25,7 @@ from calibration.profiler import (IDLE_SHAPES, Measurement, Robustness, ShapePoo
                                   execute_uncontended, make_runner, measure_after_idle,
                                   measure_engine_runs, measure_shapes, threads_of)
 from calibration.roofline import (MemoryStamp, ModelShape, fresh_like_gb_s, measure_machine, memory_read_gb_s,
-                                  roofline_s)
+                                  roofline_s, tensors_read_gb_s)
 from engine.core.config import ModelConfig
 from engine.core.model_shape import model_shape
 from engine.model.device import describe, device_has_bf16 as bf16_native, resolve
@@ -126,8 +126,7 @@ def add_physical(profile: dict, shape: PhysicalShape, machine: PhysicalMachine |
     from calibration.profiler import Measurement
 
     if machine is None:
-        stamp = profile["memory_read_gb_s"]
-        machine = PhysicalMachine((stamp["before"] + stamp["after"]) / 2,
+        machine = PhysicalMachine(stamped_gb_s(profile["memory_read_gb_s"]),
                                   profile["roofline"]["machine"]["matmul_flops_s"] / 1e9)
     rows = profile["measurements"]
     ms = [Measurement(Shape(r["kind"]), plan_from_record(r["plan"]), tuple(r["times_s"])) for r in rows]
@@ -180,9 +179,10 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     robust = cfg.robust if plan.budget_s is None else replace(cfg.robust, budget_s=plan.budget_s)
     stamp = functools.partial(memory_read_gb_s, device=runner.device)  # fresh memory where the weights sit
     weights = runner.decode_weights()
+    weights_stamp = functools.partial(tensors_read_gb_s, weights, device=runner.device) if weights else None
     with MemoryStamp(runner.device, weights) as memory:
         measurements, mlog = measure_shapes(pool, plan.shapes, plan.repeats, plan.warmups, cfg.seed,
-                                            cfg.progress, robust, stamp)
+                                            cfg.progress, robust, stamp, weights_stamp)
         after_idle = measure_after_idle(pool, idle_shapes, idle_levels)
         log.info("a call after idle costs more by " + ", ".join(
             f"{1e3 * level['extra_s']:.1f} ms after {level['idle_s']:g} s" for level in after_idle["levels"]))
@@ -201,7 +201,8 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     y = np.asarray([m.typical_s for m in measurements])
     fit["measured_over_roofline_median"] = float(np.median(y / baseline))
     pshape = PhysicalShape.of(model_shape(model_config), model_config.dtype)
-    pmachine = PhysicalMachine(memory.gb_s, machine.matmul_flops_s / 1e9)
+    memory_stamps = {"before": memory.before, "after": memory.after, "rounds": mlog.round_stamps_gb_s}
+    pmachine = PhysicalMachine(stamped_gb_s(memory_stamps), machine.matmul_flops_s / 1e9)
     physical, physical_predicted, physical_fit = physical_block(measurements, heldout, pshape, pmachine,
                                                                 overhead.median_s)
     wall = time.perf_counter() - t0
@@ -222,12 +223,13 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
         "kv_copy": copy.to_dict(),
         "after_idle": after_idle,  # CostModel.after_idle
         "roofline": {"machine": machine.to_dict(), "heldout": fit["roofline_heldout"]},
-        "memory_read_gb_s": {"before": memory.before, "after": memory.after},  # CostModel.memory_read_gb_s
+        "memory_read_gb_s": memory_stamps,  # CostModel.memory_read_gb_s: their median
         # this process's own weights (cost_model.weights_read_gb_s) and a fresh buffer of their dtype read
         # the same way: the weights read slower where they landed in slow memory, this profile's decode
-        # calls with them (calibration.report warns)
+        # calls with them (calibration.report warns); what real runs' weights are judged against is the
+        # median of these stamps (cost_model.weights_read_gb_s)
         "weights_read_gb_s": {"before": memory.weights_before, "after": memory.weights_after,
-                              "fresh": weights_fresh},
+                              "rounds": mlog.round_weights_gb_s, "fresh": weights_fresh},
         "grid": {"name": cfg.grid, "spec": asdict(spec), "calls": len(plan.shapes), "budget": plan.to_dict(),
                  "engine_calls": sum(len(m.times_s) for m in engine_calls), "engine_shapes": len(engine_calls),
                  "repeats": cfg.repeats or spec.repeats, "warmup": cfg.warmup, "wall_s": wall,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -167,14 +168,27 @@ class AfterIdle:
         return self.extra_s[i] + share * (self.extra_s[i + 1] - self.extra_s[i])
 
 
-def weights_read_gb_s(info: dict) -> float | None:
-    """The read rate of the calibrating process's own weights around its calibration
-    (calibration.roofline.MemoryStamp), or None for profiles from before it was stamped or whose
-    decode weights were opaque. (Either cost model's, from the profile's info.)"""
-    stamp = info.get("weights_read_gb_s") or {}
+def stamped_gb_s(stamp: dict | None) -> float | None:
+    """A calibration's read rate from its stamps (calibration.roofline.MemoryStamp around it, and
+    ``rounds``: one after each measuring round, where the profile has them): their median, what
+    the calls felt over the calibration. The mean of the two around it alone where there are no
+    rounds (older profiles): either can fall in a slow spell of a few seconds, and every real run
+    judged against it then looks faster or slower than the calibration was (docs/architecture.md
+    has a case). None without both."""
+    stamp = stamp or {}
     if stamp.get("before") is None or stamp.get("after") is None:
         return None
-    return (stamp["before"] + stamp["after"]) / 2
+    rounds = [float(x) for x in stamp.get("rounds") or () if x is not None and x > 0]
+    if not rounds:
+        return (stamp["before"] + stamp["after"]) / 2
+    return float(statistics.median([stamp["before"], stamp["after"], *rounds]))
+
+
+def weights_read_gb_s(info: dict) -> float | None:
+    """The read rate of the calibrating process's own weights over its calibration
+    (``stamped_gb_s``), or None for profiles from before it was stamped or whose decode weights
+    were opaque. (Either cost model's, from the profile's info.)"""
+    return stamped_gb_s(info.get("weights_read_gb_s"))
 
 
 class ProfileMismatchError(ValueError):
@@ -255,10 +269,9 @@ class CostModel:
 
     @property
     def memory_read_gb_s(self) -> float | None:
-        """The read bandwidth around its calibration (calibration.roofline.MemoryStamp), or None for
-        a profile from before stamps: decode cost moves with it on a shared machine."""
-        stamp = self.info.get("memory_read_gb_s")
-        return (stamp["before"] + stamp["after"]) / 2 if stamp else None
+        """The read bandwidth over its calibration (``stamped_gb_s``), or None for a profile from
+        before stamps: decode cost moves with it on a shared machine."""
+        return stamped_gb_s(self.info.get("memory_read_gb_s"))
 
     @property
     def before_call_s(self) -> float:

@@ -126,11 +126,13 @@ class MeasureLog:
     rounds_remeasured: int = 0
     extra_rounds: int = 0
     round_stamps_gb_s: list[float] = field(default_factory=list)
+    round_weights_gb_s: list[float] = field(default_factory=list)  # the model's own weights' read rate, as often
     wall_s: float = 0.0
 
     def to_dict(self) -> dict:
         return {"contended_retries": self.retried, "rounds_remeasured": self.rounds_remeasured,
                 "extra_rounds": self.extra_rounds, "round_stamps_gb_s": self.round_stamps_gb_s,
+                "round_weights_gb_s": self.round_weights_gb_s,
                 "measure_wall_s": self.wall_s}
 
 
@@ -155,7 +157,8 @@ def round_order(num_shapes: int, rounds: int, seed: int) -> list[list[int]]:
 
 def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence[int], warmup: int | Sequence[int] = 1,
                    seed: int = 0, progress: bool = True, robust: Robustness = Robustness(),
-                   stamp: Callable[[], float] | None = None) -> tuple[list[Measurement], MeasureLog]:
+                   stamp: Callable[[], float] | None = None,
+                   weights_stamp: Callable[[], float | None] | None = None) -> tuple[list[Measurement], MeasureLog]:
     """Warm-up passes, then ``repeats`` rounds over all shapes, each in a fresh random order
     (round_order); then up to ``robust.extra_rounds`` more rounds over the shapes whose repeats
     still spread wider than ``robust.wide_spread``. ``repeats`` and ``warmup`` may be given per
@@ -167,7 +170,10 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
     typical time leaves it out (Measurement.typical_s). With ``stamp``
     (calibration.roofline.memory_read_gb_s), the memory bandwidth is stamped after each round; a
     round stamped more than ``robust.memory_drift`` from the median of the stamps before it is
-    measured once more and the spell's times are dropped. Retries, re-measured and extra rounds
+    measured once more and the spell's times are dropped; ``weights_stamp``
+    (calibration.roofline.tensors_read_gb_s of the model's decode weights) is stamped beside it, so
+    what real runs' weights are judged against is the median over the calibration, not one stamp
+    before and one after (calibration.cost_model.stamped_gb_s). Retries, re-measured and extra rounds
     stop once ``robust.budget_s`` has passed: the base rounds always finish, so a busy machine
     costs precision, not an unbounded wait. The progress bar shows on a terminal only; then one
     summary line is logged.
@@ -207,6 +213,9 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
                 mlog.round_stamps_gb_s.append(gb_s)
                 drifted = abs(gb_s / statistics.median(stamps) - 1) > robust.memory_drift  # against the usual
                 stamps.append(gb_s)
+                weights_gb_s = weights_stamp() if weights_stamp is not None else None
+                if weights_gb_s is not None:
+                    mlog.round_weights_gb_s.append(weights_gb_s)
             if not drifted or attempt == 1 or over_budget():
                 break
             mlog.rounds_remeasured += 1

@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 
+from calibration.cost_model import FEATURES, CostModel, weights_read_gb_s
 from calibration.grid import Shape
 from calibration.noise import noise_report, round_factors
 from calibration.profiler import Robustness, measure_shapes, round_order, trimmed_mean
@@ -68,6 +69,23 @@ def test_a_round_whose_memory_stamp_moved_is_measured_again():
     assert mlog.rounds_remeasured == 1 and mlog.round_stamps_gb_s == [30.0, 50.0, 49.0]
     assert all(len(m.times_s) == 2 for m in ms)  # the drifted round's times were dropped, not kept
     assert len(pool.calls) == 3 * len(SHAPES)
+
+
+def test_the_weights_are_stamped_after_every_round_and_judged_by_the_median():
+    """One slow stamp around a calibration must not set what every real run is judged against."""
+    pool = FakePool({k: [(1.0, False)] for k in SHAPES})
+    weights = iter([40.0, 41.0, 39.0])
+    _, mlog = measure_shapes(pool, list(SHAPES.values()), repeats=3, warmup=0, progress=False,
+                             robust=Robustness(extra_rounds=0), stamp=lambda: 50.0, weights_stamp=lambda: next(weights))
+    assert mlog.round_weights_gb_s == [40.0, 41.0, 39.0] and mlog.to_dict()["round_weights_gb_s"] == [40.0, 41.0, 39.0]
+    slow_around = {"weights_read_gb_s": {"before": 29.0, "after": 36.0, "rounds": mlog.round_weights_gb_s}}
+    assert weights_read_gb_s(slow_around) == 39.0  # median of 29, 36, 40, 41, 39; the pair alone: 32.5
+    assert weights_read_gb_s({"weights_read_gb_s": {"before": 29.0, "after": 36.0}}) == 32.5  # an older profile
+    limits = Contention(others_cores=0.15, memory_drift=0.2)
+    calibration = Stamps(50.0, weights_read_gb_s(slow_around))
+    assert contended(0.0, Stamps(50.0, 41.0), calibration, limits) == ""  # 41 vs 32.5 would read +26%
+    assert CostModel((0.0,) * len(FEATURES), info={"memory_read_gb_s": {"before": 30.0, "after": 34.0,
+                                                        "rounds": [50.0, 52.0, 48.0]}}).memory_read_gb_s == 48.0
 
 
 def test_trimmed_mean_drops_the_tails():
