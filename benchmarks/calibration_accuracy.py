@@ -26,7 +26,7 @@ import numpy as np
 from calibration.calibrate import CalibrationConfig, plan_record, run_calibration
 from calibration.contention import Interval
 from calibration.cost_model import CostModel
-from calibration.profiler import step_overheads
+from calibration.profiler import Robustness, step_overheads
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.llm_engine import Engine
 from engine.core.model_shape import config_fingerprint
@@ -83,12 +83,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--no-stamp-calls", action="store_true",
+                        help="calibrate without a weights stamp before every call (Robustness.stamp_calls), to compare")
     args = parser.parse_args()
     model = ModelConfig(name="qwen2_5_0_5b", dtype=args.dtype, num_threads=args.threads)
 
     if args.profile is None:
         t = time.perf_counter()
-        calibration = run_calibration(model, CalibrationConfig(grid="full"))
+        calibration = run_calibration(model, CalibrationConfig(
+            grid="full", robust=Robustness(stamp_calls=not args.no_stamp_calls)))
         args.out.mkdir(parents=True, exist_ok=True)
         args.profile = args.out / "profile.json"
         calibration.cost_model.save(args.profile)
@@ -97,8 +100,12 @@ def main() -> None:
     threads = cost.info.get("measured_on", {}).get("threads")
     if threads != model.num_threads:
         print(f"warning: profile measured with {threads} threads, this run uses {model.num_threads}")
-    print(f"profile grid held-out: MAPE {100 * cost.info['fit']['heldout_mape']:.2f}%, "
-          f"worst {100 * cost.info['fit']['heldout_max_error']:.2f}%")
+    for name, fit in (("empirical", cost.info["fit"]), ("physical", cost.info.get("physical", {}).get("fit"))):
+        for rows in ("heldout", "heldout_as_timed"):
+            if fit and rows in fit:
+                e = fit[rows]
+                print(f"profile grid {rows.replace('_', ' ')} ({name}): median {100 * e['median_error']:.2f}%, "
+                      f"MAPE {100 * e['mape']:.2f}%, worst {100 * e['max_error']:.2f}%")
 
     engine = Engine(SEED_SCHEDULER, model)
     flags = watch_contention(engine)

@@ -7,6 +7,7 @@ import functools
 import logging
 import platform
 import time
+from collections.abc import Callable
 from operator import attrgetter
 from dataclasses import asdict, dataclass, field, replace
 
@@ -23,9 +24,9 @@ from calibration.bandwidth_history import profile_history
 from calibration.noise import noise_report
 from calibration.profiler import (IDLE_SHAPES, Measurement, Robustness, ShapePool, after_idle_sleep_s,
                                   execute_uncontended, make_runner, measure_after_idle,
-                                  measure_engine_runs, measure_shapes, threads_of)
-from calibration.roofline import (MemoryStamp, ModelShape, fresh_like_gb_s, measure_machine, memory_read_gb_s,
-                                  roofline_s, tensors_read_gb_s)
+                                  measure_engine_runs, measure_shapes, spread, threads_of)
+from calibration.roofline import (Machine, MemoryStamp, ModelShape, call_work, fresh_like_gb_s, measure_machine,
+                                  memory_read_gb_s, roofline_s, tensors_read_gb_s)
 from engine.core.config import ModelConfig
 from engine.core.model_shape import model_shape
 from engine.model.device import describe, device_has_bf16 as bf16_native, resolve
@@ -163,6 +164,35 @@ def error_table(measurements: list[Measurement], predicted: np.ndarray, baseline
     return out
 
 
+def at_usual_bandwidth(measurements: list[Measurement], shape: ModelShape, machine: Machine
+                       ) -> tuple[list[Measurement], dict]:
+    """Each stamped call's time as it would have been at the calibration's usual bandwidth (the
+    median of its calls' weights stamps): t × (w / usual) ** memory share, the share from the
+    roofline (a decode's time is mostly reading weights, a long prefill's mostly arithmetic). On a
+    shared host the bandwidth moves within a call's length, by a third, and a shape's three repeats
+    fall in whatever spells they fall in (docs/architecture.md). Returns the measurements (as timed
+    in ``raw_times_s``) and what the profile says of it (``{}`` where no call was stamped)."""
+    stamps = [w for m in measurements for w in m.stamps_gb_s]
+    if not stamps:
+        return measurements, {}
+    usual = float(np.median(stamps))
+    out = []
+    for m in measurements:
+        if not m.stamps_gb_s:
+            out.append(m)
+            continue
+        nbytes, flops = call_work(m.plan, shape)
+        memory_s, compute_s = nbytes / machine.bandwidth_bytes_s, flops / machine.matmul_flops_s
+        share = memory_s / (memory_s + compute_s)
+        at_usual = tuple(t * (w / usual) ** share for t, w in zip(m.times_s, m.stamps_gb_s))
+        out.append(replace(m, times_s=at_usual, raw_times_s=m.times_s))
+    spreads = [(spread(m.raw_times_s), spread(m.times_s)) for m in out if len(m.raw_times_s) > 1]
+    return out, {"usual_weights_gb_s": usual, "call_stamps": len(stamps),
+                 "call_stamps_p10_p90": [float(x) for x in np.percentile(stamps, [10, 90])],
+                 "shape_spread_median_as_timed": float(np.median([a for a, _ in spreads])) if spreads else 0.0,
+                 "shape_spread_median_at_usual": float(np.median([b for _, b in spreads])) if spreads else 0.0}
+
+
 def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibration:
     t0 = time.perf_counter()
     model_config = resolve(threads_of(model_config))  # the profile records the concrete device and dtype
@@ -174,15 +204,18 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     pool = ShapePool(runner, slots, max_len, seed=cfg.seed)
     idle_shapes = [s for s in IDLE_SHAPES if s.max_len <= max_len and s.num_requests <= slots]
     idle_levels = idle_levels_in_budget(spec.idle_levels, len(idle_shapes), cfg.time_budget_s)
-    plan = plan_to_budget(pool, shapes, cfg, spec.repeats, t0, after_idle_sleep_s(len(idle_shapes), idle_levels))
-    # with a time budget, what it leaves for measuring bounds the retries and extra rounds too
-    robust = cfg.robust if plan.budget_s is None else replace(cfg.robust, budget_s=plan.budget_s)
     stamp = functools.partial(memory_read_gb_s, device=runner.device)  # fresh memory where the weights sit
     weights = runner.decode_weights()
     weights_stamp = functools.partial(tensors_read_gb_s, weights, device=runner.device) if weights else None
+    call_stamp = functools.partial(tensors_read_gb_s, weights, max_bytes=CALL_STAMP_BYTES, repeats=1,
+                                   device=runner.device) if weights and cfg.robust.stamp_calls else None
+    plan = plan_to_budget(pool, shapes, cfg, spec.repeats, t0, after_idle_sleep_s(len(idle_shapes), idle_levels),
+                          call_stamp)
+    # with a time budget, what it leaves for measuring bounds the retries and extra rounds too
+    robust = cfg.robust if plan.budget_s is None else replace(cfg.robust, budget_s=plan.budget_s)
     with MemoryStamp(runner.device, weights) as memory:
         measurements, mlog = measure_shapes(pool, plan.shapes, plan.repeats, plan.warmups, cfg.seed,
-                                            cfg.progress, robust, stamp, weights_stamp)
+                                            cfg.progress, robust, stamp, weights_stamp, call_stamp)
         after_idle = measure_after_idle(pool, idle_shapes, idle_levels)
         log.info("a call after idle costs more by " + ", ".join(
             f"{1e3 * level['extra_s']:.1f} ms after {level['idle_s']:g} s" for level in after_idle["levels"]))
@@ -190,9 +223,10 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
         overhead, engine_calls = measure_engine_runs(runner, min(8, slots), cfg.overhead_runs)
         copy = measure_kv_copy(runner)
     weights_fresh = fresh_like_gb_s(weights, runner.device)
-    measurements += engine_calls
     machine = measure_machine(runner.model.dtype, device=runner.device)
     mshape = ModelShape.of(runner.model)
+    measurements, usual = at_usual_bandwidth(measurements, mshape, machine)
+    measurements += engine_calls
 
     heldout = split_heldout([m.shape.kind for m in measurements], cfg.heldout_fraction, cfg.seed)
     coef, predicted = fit_cost_model(measurements, heldout)
@@ -205,6 +239,10 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     pmachine = PhysicalMachine(stamped_gb_s(memory_stamps), machine.matmul_flops_s / 1e9)
     physical, physical_predicted, physical_fit = physical_block(measurements, heldout, pshape, pmachine,
                                                                 overhead.median_s)
+    if usual:  # the held-out calls as they were timed, beside the same put at the usual bandwidth
+        as_timed = np.asarray([replace(m, times_s=m.raw_times_s or m.times_s).typical_s for m in measurements])
+        fit["heldout_as_timed"] = Errors.of(predicted[heldout], as_timed[heldout]).to_dict()
+        physical_fit["heldout_as_timed"] = Errors.of(physical_predicted[heldout], as_timed[heldout]).to_dict()
     wall = time.perf_counter() - t0
 
     info = {
@@ -233,7 +271,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
         "grid": {"name": cfg.grid, "spec": asdict(spec), "calls": len(plan.shapes), "budget": plan.to_dict(),
                  "engine_calls": sum(len(m.times_s) for m in engine_calls), "engine_shapes": len(engine_calls),
                  "repeats": cfg.repeats or spec.repeats, "warmup": cfg.warmup, "wall_s": wall,
-                 "robust": asdict(robust), **mlog.to_dict()},
+                 "robust": asdict(robust), **mlog.to_dict(), "at_usual_bandwidth": usual},
         "noise": {**noise_report([m.times_s for m in measurements], y, predicted, [m.shape.kind for m in measurements],
                                  plan.repeats + [0] * len(engine_calls), [m.contended for m in measurements]),
                   # the slow component a replicate draws (calibration.noise.RunNoise)
@@ -243,6 +281,8 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
                           "plan": plan_record(m.plan),
                           "median_s": m.median_s, "typical_s": m.typical_s, "spread": m.spread, "times_s": list(m.times_s),
                           "contended": list(m.contended),
+                          **({"raw_times_s": list(m.raw_times_s), "stamps_gb_s": list(m.stamps_gb_s)}
+                             if m.raw_times_s else {}),
                           "predicted_s": float(p), "physical_s": float(q), "roofline_s": float(b),
                           "heldout": bool(h)}
                          for m, p, q, b, h in zip(measurements, predicted, physical_predicted, baseline, heldout)],
@@ -257,6 +297,9 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
 # rounds are planned to leave EXTRA_SHARE for the extra rounds of the shapes that spread wide
 MEASURE_SHARE = 0.8
 EXTRA_SHARE = 0.15
+# each timed call's stamp reads this much of the weights once (milliseconds): a quick read
+# beside the calls, not a limit (the stamps around the calibration read 512 MiB, best of three)
+CALL_STAMP_BYTES = 128 << 20
 # the most of the time budget the after-idle sleeps may take: past it the longest idle lengths go
 IDLE_SHARE = 0.15
 
@@ -274,11 +317,12 @@ def idle_levels_in_budget(levels: tuple[tuple[float, int], ...], num_shapes: int
 
 
 def plan_to_budget(pool: ShapePool, shapes: list, cfg: CalibrationConfig, grid_repeats: int,
-                   started_at: float, set_aside_s: float = 0.0) -> MeasurePlan:
+                   started_at: float, set_aside_s: float = 0.0,
+                   call_stamp: Callable[[], object] | None = None) -> MeasurePlan:
     """Price the grid's calls with two pilot calls and thin it to what ``cfg.time_budget_s`` leaves
     for measuring since ``started_at`` (``time.perf_counter()``; calibration.budget) less
     ``set_aside_s`` (the after-idle sleeps); the plan's cuts are logged. A pilot call timed while
-    others used the CPU is timed again."""
+    others used the CPU is timed again. Each call is priced with the ``call_stamp`` taken before it."""
     repeats = cfg.repeats or grid_repeats
     if cfg.time_budget_s is None:
         return plan_measurement(shapes, [0.0] * len(shapes), repeats, cfg.warmup, None)
@@ -288,9 +332,15 @@ def plan_to_budget(pool: ShapePool, shapes: list, cfg: CalibrationConfig, grid_r
         plan = shape.to_plan(pool.request_ids)
         pool.execute(plan)  # warm-up
         pilot.append((shape.num_tokens, execute_uncontended(pool, plan, cfg.robust.max_retries)[0]))
+    stamp_s = 0.0
+    if call_stamp is not None:
+        call_stamp()  # warm-up
+        begin = time.perf_counter()
+        call_stamp()
+        stamp_s = time.perf_counter() - begin
     budget = max(0.0, MEASURE_SHARE * cfg.time_budget_s - (time.perf_counter() - started_at) - set_aside_s)
-    plan = plan_measurement(shapes, price_calls(shapes, pilot[0], pilot[1]), repeats, cfg.warmup,
-                            (1 - EXTRA_SHARE) * budget)
+    prices = [s + stamp_s for s in price_calls(shapes, pilot[0], pilot[1])]
+    plan = plan_measurement(shapes, prices, repeats, cfg.warmup, (1 - EXTRA_SHARE) * budget)
     plan = replace(plan, budget_s=budget)
     log.info(f"time budget {cfg.time_budget_s:.0f} s: {budget:.0f} s left to measure; a {pilot[0][0]}-token call "
              f"{pilot[0][1]:.3f} s, a {pilot[1][0]}-token call {pilot[1][1]:.3f} s; the grid as planned "

@@ -11,6 +11,7 @@ writes what a call after a real prefill would, without paying minutes of prefill
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +39,10 @@ class Measurement:
     plan: BatchPlan
     times_s: tuple[float, ...]
     contended: tuple[bool, ...] = ()  # per time: still contended after its retries
+    # per time: the weights' read rate around the call (geometric mean of the stamps just before and
+    # just after it; Robustness.stamp_calls), or empty where calls were not stamped
+    stamps_gb_s: tuple[float, ...] = ()
+    raw_times_s: tuple[float, ...] = ()  # as timed, where ``times_s`` were put at the usual bandwidth
 
     @property
     def median_s(self) -> float:
@@ -112,6 +117,10 @@ class Robustness:
     extra_rounds: int = 3  # ... at most this many
     memory_drift: float = 0.20  # a round whose memory stamp is this far from the usual (median) is measured again
     stamp_rounds: bool = True  # stamp memory bandwidth between rounds (~0.1 s each)
+    # read a sample of the weights before every timed call (measure_shapes' call_stamp), so each call
+    # can be put at the calibration's usual bandwidth (calibration.calibrate.at_usual_bandwidth)
+    # instead of a round that drifted being measured again
+    stamp_calls: bool = True
     # past this (from the first timed call) no more retries, re-measured or extra rounds; a
     # calibration with a time budget (CalibrationConfig.time_budget_s) sets it to what that leaves
     budget_s: float = 200.0
@@ -158,7 +167,8 @@ def round_order(num_shapes: int, rounds: int, seed: int) -> list[list[int]]:
 def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence[int], warmup: int | Sequence[int] = 1,
                    seed: int = 0, progress: bool = True, robust: Robustness = Robustness(),
                    stamp: Callable[[], float] | None = None,
-                   weights_stamp: Callable[[], float | None] | None = None) -> tuple[list[Measurement], MeasureLog]:
+                   weights_stamp: Callable[[], float | None] | None = None,
+                   call_stamp: Callable[[], float | None] | None = None) -> tuple[list[Measurement], MeasureLog]:
     """Warm-up passes, then ``repeats`` rounds over all shapes, each in a fresh random order
     (round_order); then up to ``robust.extra_rounds`` more rounds over the shapes whose repeats
     still spread wider than ``robust.wide_spread``. ``repeats`` and ``warmup`` may be given per
@@ -173,7 +183,10 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
     measured once more and the spell's times are dropped; ``weights_stamp``
     (calibration.roofline.tensors_read_gb_s of the model's decode weights) is stamped beside it, so
     what real runs' weights are judged against is the median over the calibration, not one stamp
-    before and one after (calibration.cost_model.stamped_gb_s). Retries, re-measured and extra rounds
+    before and one after (calibration.cost_model.stamped_gb_s). With ``call_stamp`` (a quicker read
+    of a sample of the weights) and ``robust.stamp_calls``, every timed call is stamped too, just
+    before it, and gets the geometric mean of its stamp and the next (Measurement.stamps_gb_s); a
+    drifted round is then kept, its calls to be put at the usual bandwidth instead. Retries, re-measured and extra rounds
     stop once ``robust.budget_s`` has passed: the base rounds always finish, so a busy machine
     costs precision, not an unbounded wait. The progress bar shows on a terminal only; then one
     summary line is logged.
@@ -190,12 +203,18 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
     def over_budget() -> bool:
         return time.perf_counter() - start > robust.budget_s
 
-    def timed(i: int) -> tuple[float, bool]:
+    per_call = robust.stamp_calls and call_stamp is not None
+    wlog: list[float | None] = []  # every call stamp, in time order
+    around: list[list[int]] = [[] for _ in shapes]  # per kept time: index in wlog of the stamp before it
+
+    def timed(i: int) -> tuple[float, bool, int]:
+        if per_call:
+            wlog.append(call_stamp())
         t, contended, retries = execute_uncontended(pool, plans[i], robust.max_retries, over_budget)
         mlog.retried += retries
         mlog.order.append(i)
         bar.update()
-        return t, contended
+        return t, contended, len(wlog) - 1
 
     for w, order in enumerate(round_order(len(shapes), max(warms, default=0), seed + 1)):
         for i in order:
@@ -211,7 +230,8 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
             if stamp is not None and robust.stamp_rounds:
                 gb_s = stamp()
                 mlog.round_stamps_gb_s.append(gb_s)
-                drifted = abs(gb_s / statistics.median(stamps) - 1) > robust.memory_drift  # against the usual
+                # against the usual; calls stamped one by one are put at the usual bandwidth instead
+                drifted = abs(gb_s / statistics.median(stamps) - 1) > robust.memory_drift and not per_call
                 stamps.append(gb_s)
                 weights_gb_s = weights_stamp() if weights_stamp is not None else None
                 if weights_gb_s is not None:
@@ -220,9 +240,10 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
                 break
             mlog.rounds_remeasured += 1
             bar.total += len(order)
-        for i, (t, c) in got.items():
+        for i, (t, c, w) in got.items():
             times[i].append(t)
             flags[i].append(c)
+            around[i].append(w)
     rng = np.random.default_rng(seed + 2)
     for _ in range(robust.extra_rounds):
         if over_budget():
@@ -237,18 +258,36 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
         for i in sorted(rng.permutation(wide), key=lambda i: statistics.median(times[i])):
             if over_budget():  # a round of long calls can outlast what is left
                 break
-            t, c = timed(int(i))
+            t, c, w = timed(int(i))
             times[int(i)].append(t)
             flags[int(i)].append(c)
+            around[int(i)].append(w)
             ran += 1
         if ran:
             mlog.extra_rounds += 1
+    if per_call:
+        wlog.append(call_stamp())  # the last call's after
     bar.close()
     mlog.wall_s = time.perf_counter() - start
     log.info(f"measured {len(shapes)} shapes, {sum(warms)} warm-up and {len(mlog.order)} timed calls in {mlog.wall_s:.1f} s, "
              f"{mlog.retried} calls measured again (CPU contended), {mlog.rounds_remeasured} rounds again "
              f"(memory stamp moved), {mlog.extra_rounds} extra rounds for wide shapes")
-    return [Measurement(s, p, tuple(t), tuple(f)) for s, p, t, f in zip(shapes, plans, times, flags)], mlog
+    stamped = [call_stamps(wlog, a) if per_call else () for a in around]
+    return [Measurement(s, p, tuple(t), tuple(f), w) for s, p, t, f, w in zip(shapes, plans, times, flags, stamped)], mlog
+
+
+def call_stamps(wlog: Sequence[float | None], before: Sequence[int]) -> tuple[float, ...]:
+    """Each call's weights read rate: the geometric mean of the stamp just before it and the next
+    one after it (the spells on a shared host are as short as a call: on a Zen 5 the two together
+    tracked decode times better than the one before alone; docs/architecture.md). Empty where any
+    stamp is missing (weights not readable)."""
+    out = []
+    for k in before:
+        pair = [wlog[k]] + [w for w in wlog[k + 1:k + 2]]
+        if k < 0 or any(w is None or w <= 0 for w in pair):
+            return ()
+        out.append(math.exp(statistics.fmean(math.log(w) for w in pair)))
+    return tuple(out)
 
 
 def spread(times: Sequence[float]) -> float:

@@ -23,12 +23,16 @@ def error_table_text(result) -> str:
     fit = info["fit"]
     lines = [f"{'calls':<22} {'n':>5} {'MAPE %':>8} {'median %':>10} {'worst %':>9} {'R²':>7}",
              _row("train", fit["train"]), _row("held out", fit["heldout"])]
+    if "heldout_as_timed" in fit:  # the held-out calls' own times, not put at the usual bandwidth
+        lines.append(_row("  held out, as timed", fit["heldout_as_timed"]))
     lines += [_row(f"  held out {k}", e) for k, e in fit["by_kind_heldout"].items()]
     lines.append(_row("roofline (held out)", fit["roofline_heldout"]))
     physical = info.get("physical")
     if physical:
         pfit = physical["fit"]
         lines += [_row("physical train", pfit["train"]), _row("physical held out", pfit["heldout"])]
+        if "heldout_as_timed" in pfit:
+            lines.append(_row("  held out, as timed", pfit["heldout_as_timed"]))
         lines += [_row(f"  held out {k}", e) for k, e in pfit["by_kind_heldout"].items()]
         lines.append(f"preferred for this model: {info.get('preferred')} (lower held-out MAPE); "
                      "other models and what-if hardware use the physical one")
@@ -52,6 +56,14 @@ def error_table_text(result) -> str:
                  f"90th percentile {100 * spread['p90']:.1f}%"
                  + ("; this machine was noisy while it measured: errors of that order are its noise, not the "
                     "model's (calibrate again when it is quieter)" if spread["median"] > NOISY_SPREAD else ""))
+    usual = grid.get("at_usual_bandwidth")
+    if usual:
+        low, high = usual["call_stamps_p10_p90"]
+        lines.append(f"every call stamped by a read of its weights ({usual['call_stamps']} stamps, p10–p90 "
+                     f"{low:.1f}–{high:.1f} GB/s) and put at the usual {usual['usual_weights_gb_s']:.1f} by its "
+                     f"memory-bound share: repeats' spread median {100 * usual['shape_spread_median_as_timed']:.1f}% "
+                     f"as timed, {100 * usual['shape_spread_median_at_usual']:.1f}% at the usual bandwidth "
+                     "(the fit and the held-out rows use the latter; 'as timed' above: the same rows as timed)")
     cuts = grid.get("budget", {}).get("cuts")
     if cuts:
         lines.append(f"cut to fit calibration.time_budget_s: {'; '.join(cuts)}")

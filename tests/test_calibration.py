@@ -312,3 +312,30 @@ def test_the_knots_and_the_full_grid_bracket_every_step_the_gemv_may_take():
     full = GRID_SPECS["full"]
     for n in dispatch.STREAM_ROWS:
         assert {n, n + 1} <= set(TOKEN_KNOTS) and {n, n + 1} <= set(full.decode_batches)
+
+
+def test_a_call_timed_in_a_slow_spell_is_put_at_the_usual_bandwidth_by_its_memory_bound_share():
+    """A decode (reading weights) timed while its stamp read half the usual rate took twice its
+    time, and is put back; a long prefill (arithmetic) moves by its small memory share only."""
+    from dataclasses import replace
+
+    from calibration.calibrate import at_usual_bandwidth
+
+    shape = ModelShape(dense_params=10**8, lm_head_params=10**7, bytes_per_param=4, kv_bytes_per_token=1024,
+                       attn_flops_per_pair=1000)
+    machine = Machine(bandwidth_bytes_s=4e10, matmul_flops_s=4e11)
+    ids = [f"r{i}" for i in range(2)]
+    decode, prefill = Shape("decode", (16,)), Shape("prefill", (), ((512, 0, True),))
+    ms = [Measurement(decode, decode.to_plan(ids), (0.010, 0.020, 0.010), (), (40.0, 20.0, 40.0)),
+          Measurement(prefill, prefill.to_plan(ids), (0.300, 0.300, 0.300), (), (40.0, 20.0, 40.0)),
+          Measurement(decode, decode.to_plan(ids), (0.012,))]  # unstamped (an engine call): kept as is
+    out, info = at_usual_bandwidth(ms, shape, machine)
+    share = [b / machine.bandwidth_bytes_s / (b / machine.bandwidth_bytes_s + f / machine.matmul_flops_s)
+             for b, f in (call_work(m.plan, shape) for m in ms[:2])]
+    assert share[0] > 0.95 and share[1] < 0.1
+    assert out[0].times_s == pytest.approx((0.010, 0.020 * 0.5 ** share[0], 0.010))
+    assert out[0].raw_times_s == (0.010, 0.020, 0.010) and out[0].spread < 0.05 < ms[0].spread
+    assert out[1].times_s[1] == pytest.approx(0.300 * 0.5 ** share[1]) and out[1].times_s[1] > 0.28
+    assert out[2] == ms[2]
+    assert info["usual_weights_gb_s"] == 40.0 and info["call_stamps"] == 6
+    assert at_usual_bandwidth([replace(ms[0], stamps_gb_s=())], shape, machine)[1] == {}

@@ -8,7 +8,7 @@ import pytest
 from calibration.cost_model import FEATURES, CostModel, weights_read_gb_s
 from calibration.grid import Shape
 from calibration.noise import noise_report, round_factors
-from calibration.profiler import Robustness, measure_shapes, round_order, trimmed_mean
+from calibration.profiler import Robustness, call_stamps, measure_shapes, round_order, trimmed_mean
 from engine.core.config import SchedulerConfig
 from engine.core.request import Request
 from experiments.validate import Contention, Stamps, contended, counted, row_passes
@@ -86,6 +86,28 @@ def test_the_weights_are_stamped_after_every_round_and_judged_by_the_median():
     assert contended(0.0, Stamps(50.0, 41.0), calibration, limits) == ""  # 41 vs 32.5 would read +26%
     assert CostModel((0.0,) * len(FEATURES), info={"memory_read_gb_s": {"before": 30.0, "after": 34.0,
                                                         "rounds": [50.0, 52.0, 48.0]}}).memory_read_gb_s == 48.0
+
+
+def test_every_call_is_stamped_and_a_drifted_round_is_kept_to_be_put_at_the_usual_bandwidth():
+    pool = FakePool({k: [(1.0, False)] for k in SHAPES})
+    rounds = iter([50.0, 30.0, 50.0])  # before, round 0 (-40%: would be measured again), round 1
+    calls = iter(range(10, 100))  # 10, 11, ...: the k-th stamp read 10 + k GB/s
+    ms, mlog = measure_shapes(pool, list(SHAPES.values()), repeats=2, warmup=0, progress=False,
+                              robust=Robustness(extra_rounds=0), stamp=lambda: next(rounds),
+                              call_stamp=lambda: float(next(calls)))
+    assert mlog.rounds_remeasured == 0 and len(pool.calls) == 2 * len(SHAPES)
+    stamps = sorted(w for m in ms for w in m.stamps_gb_s)
+    # six calls, seven stamps (one after the last): each call the geometric mean of its two
+    assert stamps == pytest.approx([math.sqrt((10 + k) * (11 + k)) for k in range(6)])
+    plain, _ = measure_shapes(FakePool({k: [(1.0, False)] for k in SHAPES}), list(SHAPES.values()), repeats=2,
+                              warmup=0, progress=False, robust=Robustness(extra_rounds=0, stamp_calls=False),
+                              call_stamp=lambda: 1.0)
+    assert all(m.stamps_gb_s == () for m in plain)
+
+
+def test_a_call_stamp_missing_leaves_the_shape_unstamped():
+    assert call_stamps([40.0, 10.0, 40.0], [0, 1]) == pytest.approx((20.0, 20.0))
+    assert call_stamps([40.0, None, 40.0], [0, 1]) == ()
 
 
 def test_trimmed_mean_drops_the_tails():
