@@ -213,6 +213,15 @@ def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tmp_path):
     assert physical["fit"]["heldout"]["n"] == data["fit"]["heldout"]["n"] > 0
     assert physical["machine"]["memory_gb_s"] > 0 and physical["shape"]["layers"] == 2
     assert all(m["physical_s"] > 0 for m in data["measurements"])
+    # where the decode weights can be read (not oneDNN's opaque copies), every grid call carries its
+    # stamp and its time as timed beside the one put at the usual bandwidth, and the rounds theirs
+    grid = [m for m in data["measurements"] if m["kind"] != "engine"]
+    if data["weights_read_gb_s"]["before"] is not None:
+        assert all(len(m["stamps_gb_s"]) == len(m["raw_times_s"]) == len(m["times_s"]) for m in grid)
+        assert len(data["weights_read_gb_s"]["rounds"]) >= GRID_SPECS["quick"].repeats
+        assert "held out, as timed" in out.stdout and "every call stamped" in out.stdout
+    else:
+        assert not any("stamps_gb_s" in m for m in grid)
     refit = add_physical({k: v for k, v in data.items() if k not in ("physical", "preferred")},
                          PhysicalShape(**physical["shape"]))
     assert refit["physical"]["coefficients"] == pytest.approx(physical["coefficients"], rel=1e-6, abs=1e-12)
