@@ -3,7 +3,8 @@ fit the time budget.
 
 The same grid costs ~2 minutes on a CPU with AVX-512 and ~10 on a 2-core AVX2 one, where a
 256-token call takes seconds. Before measuring, two pilot calls (the grid's smallest and largest
-call, each after a warm-up) price every shape linearly in its tokens; the plan then cuts, in
+call, each after a warm-up) price every shape linearly in its tokens (plus the call's weights stamp,
+where calls are stamped: calibration.calibrate.plan_to_budget); the plan then cuts, in
 this order, what buys the least accuracy per second while the predicted time is over:
 
 1. mixed steps past ``min_mixed``, the last drawn first (a random draw of the continuous

@@ -164,14 +164,20 @@ def error_table(measurements: list[Measurement], predicted: np.ndarray, baseline
     return out
 
 
+def as_timed(m: Measurement) -> Measurement:
+    """The measurement with its times as timed (``at_usual_bandwidth`` undone)."""
+    return replace(m, times_s=m.raw_times_s, raw_times_s=()) if m.raw_times_s else m
+
+
 def at_usual_bandwidth(measurements: list[Measurement], shape: ModelShape, machine: Machine
                        ) -> tuple[list[Measurement], dict]:
     """Each stamped call's time as it would have been at the calibration's usual bandwidth (the
     median of its calls' weights stamps): t × (w / usual) ** memory share, the share from the
     roofline (a decode's time is mostly reading weights, a long prefill's mostly arithmetic). On a
-    shared host the bandwidth moves within a call's length, by a third, and a shape's three repeats
-    fall in whatever spells they fall in (docs/architecture.md). Returns the measurements (as timed
-    in ``raw_times_s``) and what the profile says of it (``{}`` where no call was stamped)."""
+    shared host the bandwidth can move within a call's length, and a shape's few repeats fall in
+    whatever spells they fall in (docs/architecture.md). The engine calls, timed inside serving
+    runs, are not stamped and stay as timed. Returns the measurements (as timed in
+    ``raw_times_s``) and what the profile says of it (``{}`` where no call was stamped)."""
     stamps = [w for m in measurements for w in m.stamps_gb_s]
     if not stamps:
         return measurements, {}
@@ -186,7 +192,8 @@ def at_usual_bandwidth(measurements: list[Measurement], shape: ModelShape, machi
         share = memory_s / (memory_s + compute_s)
         at_usual = tuple(t * (w / usual) ** share for t, w in zip(m.times_s, m.stamps_gb_s))
         out.append(replace(m, times_s=at_usual, raw_times_s=m.times_s))
-    spreads = [(spread(m.raw_times_s), spread(m.times_s)) for m in out if len(m.raw_times_s) > 1]
+    # over the undisturbed repeats, as the profile's noise.shape_spread
+    spreads = [(spread(as_timed(m).clean_times_s), spread(m.clean_times_s)) for m in out if len(m.clean_times_s) > 1]
     return out, {"usual_weights_gb_s": usual, "call_stamps": len(stamps),
                  "call_stamps_p10_p90": [float(x) for x in np.percentile(stamps, [10, 90])],
                  "shape_spread_median_as_timed": float(np.median([a for a, _ in spreads])) if spreads else 0.0,
@@ -240,9 +247,11 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     physical, physical_predicted, physical_fit = physical_block(measurements, heldout, pshape, pmachine,
                                                                 overhead.median_s)
     if usual:  # the held-out calls as they were timed, beside the same put at the usual bandwidth
-        as_timed = np.asarray([replace(m, times_s=m.raw_times_s or m.times_s).typical_s for m in measurements])
-        fit["heldout_as_timed"] = Errors.of(predicted[heldout], as_timed[heldout]).to_dict()
-        physical_fit["heldout_as_timed"] = Errors.of(physical_predicted[heldout], as_timed[heldout]).to_dict()
+        timed = [as_timed(m) for m in measurements]  # each model scored by the statistic it is fitted on
+        fit["heldout_as_timed"] = Errors.of(predicted[heldout], np.asarray([m.typical_s for m in timed])[heldout]
+                                            ).to_dict()
+        physical_fit["heldout_as_timed"] = Errors.of(
+            physical_predicted[heldout], np.asarray([m.median_s for m in timed])[heldout]).to_dict()
     wall = time.perf_counter() - t0
 
     info = {
@@ -272,7 +281,10 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
                  "engine_calls": sum(len(m.times_s) for m in engine_calls), "engine_shapes": len(engine_calls),
                  "repeats": cfg.repeats or spec.repeats, "warmup": cfg.warmup, "wall_s": wall,
                  "robust": asdict(robust), **mlog.to_dict(), "at_usual_bandwidth": usual},
-        "noise": {**noise_report([m.times_s for m in measurements], y, predicted, [m.shape.kind for m in measurements],
+        # as timed: a real run's calls feel the bandwidth's moves within it, and the bands should too
+        "noise": {**noise_report([as_timed(m).times_s for m in measurements],
+                                 [as_timed(m).typical_s for m in measurements], predicted,
+                                 [m.shape.kind for m in measurements],
                                  plan.repeats + [0] * len(engine_calls), [m.contended for m in measurements]),
                   # the slow component a replicate draws (calibration.noise.RunNoise)
                   **profile_history(model_config.num_threads, [memory.before, memory.after, *mlog.round_stamps_gb_s])},
@@ -297,8 +309,8 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
 # rounds are planned to leave EXTRA_SHARE for the extra rounds of the shapes that spread wide
 MEASURE_SHARE = 0.8
 EXTRA_SHARE = 0.15
-# each timed call's stamp reads this much of the weights once (milliseconds): a quick read
-# beside the calls, not a limit (the stamps around the calibration read 512 MiB, best of three)
+# each timed call's stamp reads this much of the weights (one timed read after an untimed one): a
+# quick read beside the calls, not a limit (the stamps around the calibration read 512 MiB, best of three)
 CALL_STAMP_BYTES = 128 << 20
 # the most of the time budget the after-idle sleeps may take: past it the longest idle lengths go
 IDLE_SHARE = 0.15

@@ -115,7 +115,9 @@ class Robustness:
     max_retries: int = 3  # a call timed while others used the CPU is measured again, up to this often
     wide_spread: float = 0.10  # shapes whose repeats spread wider than this get extra rounds ...
     extra_rounds: int = 3  # ... at most this many
-    memory_drift: float = 0.20  # a round whose memory stamp is this far from the usual (median) is measured again
+    # a round whose memory stamp is this far from the usual (median) is measured again (where calls
+    # are not stamped one by one: stamp_calls)
+    memory_drift: float = 0.20
     stamp_rounds: bool = True  # stamp memory bandwidth between rounds (~0.1 s each)
     # read a sample of the weights before every timed call (measure_shapes' call_stamp), so each call
     # can be put at the calibration's usual bandwidth (calibration.calibrate.at_usual_bandwidth)
@@ -146,13 +148,17 @@ class MeasureLog:
 
 
 def execute_uncontended(pool: ShapePool, plan: BatchPlan, max_retries: int,
-                        give_up: Callable[[], bool] = lambda: False) -> tuple[float, bool, int]:
+                        give_up: Callable[[], bool] = lambda: False,
+                        before: Callable[[], object] = lambda: None) -> tuple[float, bool, int]:
     """Time ``plan``; while other processes used the CPU meanwhile, time it again, up to
-    ``max_retries`` times or until ``give_up()``. Returns (seconds, still contended, retries)."""
+    ``max_retries`` times or until ``give_up()``; ``before()`` runs before every attempt (a call
+    stamp belongs to the attempt that is kept). Returns (seconds, still contended, retries)."""
+    before()
     t, contended = pool.execute(plan)
     retries = 0
     while contended and retries < max_retries and not give_up():
         retries += 1
+        before()
         t, contended = pool.execute(plan)
     return t, contended, retries
 
@@ -184,10 +190,10 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
     (calibration.roofline.tensors_read_gb_s of the model's decode weights) is stamped beside it, so
     what real runs' weights are judged against is the median over the calibration, not one stamp
     before and one after (calibration.cost_model.stamped_gb_s). With ``call_stamp`` (a quicker read
-    of a sample of the weights) and ``robust.stamp_calls``, every timed call is stamped too, just
-    before it, and gets the geometric mean of its stamp and the next (Measurement.stamps_gb_s); a
-    drifted round is then kept, its calls to be put at the usual bandwidth instead. Retries, re-measured and extra rounds
-    stop once ``robust.budget_s`` has passed: the base rounds always finish, so a busy machine
+    of a sample of the weights) and ``robust.stamp_calls``, every timed attempt is stamped just
+    before it, and a call gets the geometric mean of its stamp and the next, taken just after it
+    (Measurement.stamps_gb_s); a drifted round is then kept, its calls to be put at the usual
+    bandwidth instead. Retries, re-measured and extra rounds stop once ``robust.budget_s`` has passed: the base rounds always finish, so a busy machine
     costs precision, not an unbounded wait. The progress bar shows on a terminal only; then one
     summary line is logged.
     """
@@ -207,10 +213,12 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
     wlog: list[float | None] = []  # every call stamp, in time order
     around: list[list[int]] = [[] for _ in shapes]  # per kept time: index in wlog of the stamp before it
 
+    def stamp_call() -> None:
+        wlog.append(call_stamp())
+
     def timed(i: int) -> tuple[float, bool, int]:
-        if per_call:
-            wlog.append(call_stamp())
-        t, contended, retries = execute_uncontended(pool, plans[i], robust.max_retries, over_budget)
+        t, contended, retries = execute_uncontended(pool, plans[i], robust.max_retries, over_budget,
+                                                    stamp_call if per_call else lambda: None)
         mlog.retried += retries
         mlog.order.append(i)
         bar.update()
@@ -226,6 +234,8 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
         order = [i for i in order if reps[i] > r]
         for attempt in range(2):
             got = {i: timed(i) for i in order}
+            if per_call:
+                stamp_call()  # the round's last call's after, before the round's own stamps
             drifted = False
             if stamp is not None and robust.stamp_rounds:
                 gb_s = stamp()
@@ -266,7 +276,7 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
         if ran:
             mlog.extra_rounds += 1
     if per_call:
-        wlog.append(call_stamp())  # the last call's after
+        stamp_call()  # the last extra round's last call's after (unread when no extra round ran)
     bar.close()
     mlog.wall_s = time.perf_counter() - start
     log.info(f"measured {len(shapes)} shapes, {sum(warms)} warm-up and {len(mlog.order)} timed calls in {mlog.wall_s:.1f} s, "
@@ -277,16 +287,18 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
 
 
 def call_stamps(wlog: Sequence[float | None], before: Sequence[int]) -> tuple[float, ...]:
-    """Each call's weights read rate: the geometric mean of the stamp just before it and the next
-    one after it (the spells on a shared host are as short as a call: on a Zen 5 the two together
-    tracked decode times better than the one before alone; docs/architecture.md). Empty where any
-    stamp is missing (weights not readable)."""
+    """Each call's weights read rate: the geometric mean of the stamp just before it and the one
+    just after it, ``wlog[k]`` and ``wlog[k + 1]`` for a call stamped at ``k`` (a spell on a shared
+    host can be as short as a call, and the two together track it better than the one before;
+    docs/architecture.md). Empty where a stamp is missing (weights not readable)."""
     out = []
     for k in before:
-        pair = [wlog[k]] + [w for w in wlog[k + 1:k + 2]]
-        if k < 0 or any(w is None or w <= 0 for w in pair):
+        if k < 0 or k + 1 >= len(wlog):
             return ()
-        out.append(math.exp(statistics.fmean(math.log(w) for w in pair)))
+        pair = (wlog[k], wlog[k + 1])
+        if any(w is None or w <= 0 for w in pair):
+            return ()
+        out.append(math.sqrt(pair[0] * pair[1]))
     return tuple(out)
 
 

@@ -88,26 +88,47 @@ def test_the_weights_are_stamped_after_every_round_and_judged_by_the_median():
                                                         "rounds": [50.0, 52.0, 48.0]}}).memory_read_gb_s == 48.0
 
 
-def test_every_call_is_stamped_and_a_drifted_round_is_kept_to_be_put_at_the_usual_bandwidth():
-    pool = FakePool({k: [(1.0, False)] for k in SHAPES})
+def test_every_call_is_stamped_just_before_and_just_after_the_attempt_that_is_kept():
+    """A clock ticks at every event (a call, a stamp of any kind) and each call stamp reads the
+    clock: a call stamped at c and timed at c + 1 must get its after stamp at c + 2, with a round's
+    own stamps after it, and a contended attempt's retry gets a stamp of its own."""
+    clock = [0]
+
+    def tick() -> float:
+        clock[0] += 1
+        return float(clock[0])
+
+    script = {"a": [(1.0, False)], "b": [(1.0, False), (9.0, True), (1.0, False)], "c": [(1.0, False)]}
+    pool = FakePool(script)
+    execute, kept = pool.execute, {k: [] for k in SHAPES}
+
+    def timed(plan):  # the clock at the stamp just before each attempt that is kept
+        before = clock[0]
+        tick()
+        t, contended = execute(plan)
+        if not contended:
+            kept[pool.calls[-1]].append(before)
+        return t, contended
+
+    pool.execute = timed
     rounds = iter([50.0, 30.0, 50.0])  # before, round 0 (-40%: would be measured again), round 1
-    calls = iter(range(10, 100))  # 10, 11, ...: the k-th stamp read 10 + k GB/s
     ms, mlog = measure_shapes(pool, list(SHAPES.values()), repeats=2, warmup=0, progress=False,
-                              robust=Robustness(extra_rounds=0), stamp=lambda: next(rounds),
-                              call_stamp=lambda: float(next(calls)))
-    assert mlog.rounds_remeasured == 0 and len(pool.calls) == 2 * len(SHAPES)
-    stamps = sorted(w for m in ms for w in m.stamps_gb_s)
-    # six calls, seven stamps (one after the last): each call the geometric mean of its two
-    assert stamps == pytest.approx([math.sqrt((10 + k) * (11 + k)) for k in range(6)])
+                              robust=Robustness(extra_rounds=0), stamp=lambda: (tick(), next(rounds))[1],
+                              weights_stamp=tick, call_stamp=tick)
+    assert mlog.rounds_remeasured == 0 and mlog.retried == 1  # the drifted round kept, b's contended call again
+    for name, m in zip(SHAPES, ms):
+        assert m.stamps_gb_s == pytest.approx(tuple(math.sqrt(c * (c + 2)) for c in kept[name]))
+    calls = []
     plain, _ = measure_shapes(FakePool({k: [(1.0, False)] for k in SHAPES}), list(SHAPES.values()), repeats=2,
                               warmup=0, progress=False, robust=Robustness(extra_rounds=0, stamp_calls=False),
-                              call_stamp=lambda: 1.0)
-    assert all(m.stamps_gb_s == () for m in plain)
+                              call_stamp=lambda: calls.append(1) or 1.0)
+    assert all(m.stamps_gb_s == () for m in plain) and not calls
 
 
 def test_a_call_stamp_missing_leaves_the_shape_unstamped():
     assert call_stamps([40.0, 10.0, 40.0], [0, 1]) == pytest.approx((20.0, 20.0))
     assert call_stamps([40.0, None, 40.0], [0, 1]) == ()
+    assert call_stamps([40.0, 10.0], [1]) == ()  # no stamp after it
 
 
 def test_trimmed_mean_drops_the_tails():
