@@ -193,9 +193,9 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
     of a sample of the weights) and ``robust.stamp_calls``, every timed attempt is stamped just
     before it, and a call gets the geometric mean of its stamp and the next, taken just after it
     (Measurement.stamps_gb_s); a drifted round is then kept, its calls to be put at the usual
-    bandwidth instead. Retries, re-measured and extra rounds stop once ``robust.budget_s`` has passed: the base rounds always finish, so a busy machine
-    costs precision, not an unbounded wait. The progress bar shows on a terminal only; then one
-    summary line is logged.
+    bandwidth instead. Retries, re-measured and extra rounds stop once ``robust.budget_s`` has
+    passed: the base rounds always finish, so a busy machine costs precision, not an unbounded wait.
+    The progress bar shows on a terminal only; then one summary line is logged.
     """
     plans = [s.to_plan(pool.request_ids) for s in shapes]
     reps = [repeats] * len(shapes) if isinstance(repeats, int) else list(repeats)
@@ -283,7 +283,8 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
              f"{mlog.retried} calls measured again (CPU contended), {mlog.rounds_remeasured} rounds again "
              f"(memory stamp moved), {mlog.extra_rounds} extra rounds for wide shapes")
     stamped = [call_stamps(wlog, a) if per_call else () for a in around]
-    return [Measurement(s, p, tuple(t), tuple(f), w) for s, p, t, f, w in zip(shapes, plans, times, flags, stamped)], mlog
+    return [Measurement(s, p, tuple(t), tuple(f), w)
+            for s, p, t, f, w in zip(shapes, plans, times, flags, stamped)], mlog
 
 
 def call_stamps(wlog: Sequence[float | None], before: Sequence[int]) -> tuple[float, ...]:

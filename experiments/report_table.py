@@ -47,8 +47,8 @@ def format_side_by_side(real: dict, sim: dict) -> str:
             ("E2E p50 s", lambda x: x["e2e_s"]["p50"], "{:.3f}"),
             ("E2E p99 s", lambda x: x["e2e_s"]["p99"], "{:.3f}"),
             ("occupancy at max", lambda x: x["occupancy_at_max"], "{:.3f}"),
-            # real: around the run; sim: over its calibration (the median of its stamps). Decode runs at memory speed, so
-            # a gap here explains a gap above (calibration.roofline.MemoryStamp)
+            # real: around the run; sim: over its calibration (the median of its stamps). Decode
+            # runs at memory speed, so a gap here explains a gap above (calibration.roofline.MemoryStamp)
             ("memory GB/s", lambda x: x.get("memory_read_gb_s"), "{:.0f}"),
             # the process's own decode weights: slower than the line above where they landed in slow memory
             ("weights GB/s", lambda x: x.get("weights_read_gb_s"), "{:.0f}"),
