@@ -26,7 +26,7 @@ from calibration.profiler import (IDLE_SHAPES, Measurement, Robustness, ShapePoo
                                   execute_uncontended, make_runner, measure_after_idle,
                                   measure_engine_runs, measure_shapes, spread, threads_of)
 from calibration.roofline import (Machine, MemoryStamp, ModelShape, call_work, fresh_like_gb_s, measure_machine,
-                                  memory_read_gb_s, roofline_s, tensors_read_gb_s)
+                                  memory_read_gb_s, roofline_s, best_s, tensors_read_gb_s)
 from engine.core.config import ModelConfig
 from engine.core.model_shape import model_shape
 from engine.model.device import describe, device_has_bf16 as bf16_native, resolve
@@ -246,8 +246,9 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     pmachine = PhysicalMachine(stamped_gb_s(memory_stamps), machine.matmul_flops_s / 1e9)
     physical, physical_predicted, physical_fit = physical_block(measurements, heldout, pshape, pmachine,
                                                                 overhead.median_s)
-    if usual:  # the held-out calls as they were timed, beside the same put at the usual bandwidth
-        timed = [as_timed(m) for m in measurements]  # each model scored by the statistic it is fitted on
+    timed = [as_timed(m) for m in measurements]  # the calls as they were timed (the noise block's too)
+    if usual:  # the held-out calls as timed, beside the same put at the usual bandwidth; each model
+        # scored by the statistic it is fitted on
         fit["heldout_as_timed"] = Errors.of(predicted[heldout], np.asarray([m.typical_s for m in timed])[heldout]
                                             ).to_dict()
         physical_fit["heldout_as_timed"] = Errors.of(
@@ -282,8 +283,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
                  "repeats": cfg.repeats or spec.repeats, "warmup": cfg.warmup, "wall_s": wall,
                  "robust": asdict(robust), **mlog.to_dict(), "at_usual_bandwidth": usual},
         # as timed: a real run's calls feel the bandwidth's moves within it, and the bands should too
-        "noise": {**noise_report([as_timed(m).times_s for m in measurements],
-                                 [as_timed(m).typical_s for m in measurements], predicted,
+        "noise": {**noise_report([m.times_s for m in timed], [m.typical_s for m in timed], predicted,
                                  [m.shape.kind for m in measurements],
                                  plan.repeats + [0] * len(engine_calls), [m.contended for m in measurements]),
                   # the slow component a replicate draws (calibration.noise.RunNoise)
@@ -344,12 +344,7 @@ def plan_to_budget(pool: ShapePool, shapes: list, cfg: CalibrationConfig, grid_r
         plan = shape.to_plan(pool.request_ids)
         pool.execute(plan)  # warm-up
         pilot.append((shape.num_tokens, execute_uncontended(pool, plan, cfg.robust.max_retries)[0]))
-    stamp_s = 0.0
-    if call_stamp is not None:
-        call_stamp()  # warm-up
-        begin = time.perf_counter()
-        call_stamp()
-        stamp_s = time.perf_counter() - begin
+    stamp_s = 0.0 if call_stamp is None else best_s(call_stamp, 1, pool.runner.device)  # after one untimed
     budget = max(0.0, MEASURE_SHARE * cfg.time_budget_s - (time.perf_counter() - started_at) - set_aside_s)
     prices = [s + stamp_s for s in price_calls(shapes, pilot[0], pilot[1])]
     plan = plan_measurement(shapes, prices, repeats, cfg.warmup, (1 - EXTRA_SHARE) * budget)
