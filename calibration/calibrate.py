@@ -23,7 +23,7 @@ from calibration.kv_copy import measure_kv_copy
 from calibration.bandwidth_history import profile_history
 from calibration.noise import noise_report
 from calibration.profiler import (IDLE_SHAPES, Measurement, Robustness, ShapePool, after_idle_sleep_s,
-                                  execute_uncontended, make_runner, measure_after_idle,
+                                  at_bandwidth, execute_uncontended, make_runner, measure_after_idle,
                                   measure_engine_runs, measure_shapes, spread, threads_of)
 from calibration.roofline import (Machine, MemoryStamp, ModelShape, call_work, fresh_like_gb_s, measure_machine,
                                   memory_read_gb_s, roofline_s, best_s, tensors_read_gb_s)
@@ -169,33 +169,41 @@ def as_timed(m: Measurement) -> Measurement:
     return replace(m, times_s=m.raw_times_s, raw_times_s=()) if m.raw_times_s else m
 
 
+def memory_share(plan, shape: ModelShape, machine: Machine) -> float:
+    """The share of a call's roofline time spent reading memory: how much of it stretches when
+    the bandwidth moves (calibration.profiler.at_bandwidth)."""
+    nbytes, flops = call_work(plan, shape)
+    memory_s, compute_s = nbytes / machine.bandwidth_bytes_s, flops / machine.matmul_flops_s
+    return memory_s / (memory_s + compute_s)
+
+
 def at_usual_bandwidth(measurements: list[Measurement], shape: ModelShape, machine: Machine
                        ) -> tuple[list[Measurement], dict]:
     """Each stamped call's time as it would have been at the calibration's usual bandwidth (the
-    median of its calls' weights stamps): t × (w / usual) ** memory share, the share from the
-    roofline (a decode's time is mostly reading weights, a long prefill's mostly arithmetic). On a
+    median of the grid calls' weights stamps): at_bandwidth with the call's memory_share. On a
     shared host the bandwidth can move within a call's length, and a shape's few repeats fall in
-    whatever spells they fall in (docs/architecture.md). The engine calls, timed inside serving
-    runs, are not stamped and stay as timed. Returns the measurements (as timed in
-    ``raw_times_s``) and what the profile says of it (``{}`` where no call was stamped)."""
+    whatever spells they fall in (docs/architecture.md). The engine calls, stamped per serving run
+    (measure_engine_runs), are put at the grid's usual too; unstamped calls stay as timed. Returns
+    the measurements (as timed in ``raw_times_s``) and what the profile says of it (``{}`` where
+    no call was stamped)."""
     stamps = [w for m in measurements for w in m.stamps_gb_s]
     if not stamps:
         return measurements, {}
-    usual = float(np.median(stamps))
+    grid = [w for m in measurements if m.shape.kind != "engine" for w in m.stamps_gb_s]
+    usual = float(np.median(grid or stamps))
     out = []
     for m in measurements:
         if not m.stamps_gb_s:
             out.append(m)
             continue
-        nbytes, flops = call_work(m.plan, shape)
-        memory_s, compute_s = nbytes / machine.bandwidth_bytes_s, flops / machine.matmul_flops_s
-        share = memory_s / (memory_s + compute_s)
-        at_usual = tuple(t * (w / usual) ** share for t, w in zip(m.times_s, m.stamps_gb_s))
+        at_usual = at_bandwidth(m.times_s, m.stamps_gb_s, usual, memory_share(m.plan, shape, machine))
         out.append(replace(m, times_s=at_usual, raw_times_s=m.times_s))
     # over the undisturbed repeats, as the profile's noise.shape_spread
-    spreads = [(spread(as_timed(m).clean_times_s), spread(m.clean_times_s)) for m in out if len(m.clean_times_s) > 1]
-    return out, {"usual_weights_gb_s": usual, "call_stamps": len(stamps),
-                 "call_stamps_p10_p90": [float(x) for x in np.percentile(stamps, [10, 90])],
+    spreads = [(spread(as_timed(m).clean_times_s), spread(m.clean_times_s)) for m in out
+               if len(m.clean_times_s) > 1 and m.shape.kind != "engine"]
+    return out, {"usual_weights_gb_s": usual, "call_stamps": len(grid),
+                 "engine_calls_stamped": len(stamps) - len(grid),
+                 "call_stamps_p10_p90": [float(x) for x in np.percentile(grid or stamps, [10, 90])],
                  "shape_spread_median_as_timed": float(np.median([a for a, _ in spreads])) if spreads else 0.0,
                  "shape_spread_median_at_usual": float(np.median([b for _, b in spreads])) if spreads else 0.0}
 
@@ -216,24 +224,26 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     weights_stamp = functools.partial(tensors_read_gb_s, weights, device=runner.device) if weights else None
     call_stamp = functools.partial(tensors_read_gb_s, weights, max_bytes=CALL_STAMP_BYTES, repeats=1,
                                    device=runner.device) if weights and cfg.robust.stamp_calls else None
+    # the machine's limit first: each shape's memory share (what a moved bandwidth stretches) is
+    # known while measuring, so extra rounds go to shapes wide at the usual bandwidth
+    machine = measure_machine(runner.model.dtype, device=runner.device)
+    mshape = ModelShape.of(runner.model)
     plan = plan_to_budget(pool, shapes, cfg, spec.repeats, t0, after_idle_sleep_s(len(idle_shapes), idle_levels),
                           call_stamp)
+    shares = [memory_share(s.to_plan(pool.request_ids), mshape, machine) for s in plan.shapes]
     # with a time budget, what it leaves for measuring bounds the retries and extra rounds too
     robust = cfg.robust if plan.budget_s is None else replace(cfg.robust, budget_s=plan.budget_s)
     with MemoryStamp(runner.device, weights) as memory:
         measurements, mlog = measure_shapes(pool, plan.shapes, plan.repeats, plan.warmups, cfg.seed,
-                                            cfg.progress, robust, stamp, weights_stamp, call_stamp)
+                                            cfg.progress, robust, stamp, weights_stamp, call_stamp, shares)
         after_idle = measure_after_idle(pool, idle_shapes, idle_levels)
         log.info("a call after idle costs more by " + ", ".join(
             f"{1e3 * level['extra_s']:.1f} ms after {level['idle_s']:g} s" for level in after_idle["levels"]))
         pool.release()
-        overhead, engine_calls = measure_engine_runs(runner, min(8, slots), cfg.overhead_runs)
+        overhead, engine_calls = measure_engine_runs(runner, min(8, slots), cfg.overhead_runs, call_stamp)
         copy = measure_kv_copy(runner)
     weights_fresh = fresh_like_gb_s(weights, runner.device)
-    machine = measure_machine(runner.model.dtype, device=runner.device)
-    mshape = ModelShape.of(runner.model)
-    measurements, usual = at_usual_bandwidth(measurements, mshape, machine)
-    measurements += engine_calls
+    measurements, usual = at_usual_bandwidth(measurements + engine_calls, mshape, machine)
 
     heldout = split_heldout([m.shape.kind for m in measurements], cfg.heldout_fraction, cfg.seed)
     coef, predicted = fit_cost_model(measurements, heldout)

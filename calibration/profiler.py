@@ -174,7 +174,8 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
                    seed: int = 0, progress: bool = True, robust: Robustness = Robustness(),
                    stamp: Callable[[], float] | None = None,
                    weights_stamp: Callable[[], float | None] | None = None,
-                   call_stamp: Callable[[], float | None] | None = None) -> tuple[list[Measurement], MeasureLog]:
+                   call_stamp: Callable[[], float | None] | None = None,
+                   memory_shares: Sequence[float] | None = None) -> tuple[list[Measurement], MeasureLog]:
     """Warm-up passes, then ``repeats`` rounds over all shapes, each in a fresh random order
     (round_order); then up to ``robust.extra_rounds`` more rounds over the shapes whose repeats
     still spread wider than ``robust.wide_spread``. ``repeats`` and ``warmup`` may be given per
@@ -193,7 +194,11 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
     of a sample of the weights) and ``robust.stamp_calls``, every timed attempt is stamped just
     before it, and a call gets the geometric mean of its stamp and the next, taken just after it
     (Measurement.stamps_gb_s); a drifted round is then kept, its calls to be put at the usual
-    bandwidth instead. Retries, re-measured and extra rounds stop once ``robust.budget_s`` has
+    bandwidth instead; with ``memory_shares`` too (per shape, the share of its time spent reading
+    memory: calibration.calibrate.memory_share), the spread that earns a shape extra rounds is its
+    repeats' at the usual bandwidth, as the fit will see them, not as timed: a shape wide only
+    because the bandwidth moved under it gains nothing from more repeats that its stamps do not
+    already give. Retries, re-measured and extra rounds stop once ``robust.budget_s`` has
     passed: the base rounds always finish, so a busy machine costs precision, not an unbounded wait.
     The progress bar shows on a terminal only; then one summary line is logged.
     """
@@ -254,11 +259,24 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
             times[i].append(t)
             flags[i].append(c)
             around[i].append(w)
+    shares = list(memory_shares) if per_call and memory_shares is not None else None
+
+    def judged() -> list[list[float]]:
+        """Each shape's kept times as its spread is judged: at the usual bandwidth (the median of
+        the calls' stamps so far) where its calls were stamped and its memory share is known, else
+        as timed."""
+        stamps = [call_stamps(wlog, a) if shares is not None else () for a in around]
+        every = [w for ws in stamps for w in ws]
+        if not every:
+            return times
+        usual = statistics.median(every)
+        return [list(at_bandwidth(t, w, usual, share)) if w else t for t, w, share in zip(times, stamps, shares)]
+
     rng = np.random.default_rng(seed + 2)
     for _ in range(robust.extra_rounds):
         if over_budget():
             break
-        wide = [i for i, t in enumerate(times) if spread(t) > robust.wide_spread]
+        wide = [i for i, t in enumerate(judged()) if spread(t) > robust.wide_spread]
         if not wide:
             break
         bar.total += len(wide)
@@ -273,10 +291,10 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
             flags[int(i)].append(c)
             around[int(i)].append(w)
             ran += 1
+        if per_call:
+            stamp_call()  # this round's last call's after: the next selection puts it at the usual
         if ran:
             mlog.extra_rounds += 1
-    if per_call:
-        stamp_call()  # the last extra round's last call's after (unread when no extra round ran)
     bar.close()
     mlog.wall_s = time.perf_counter() - start
     log.info(f"measured {len(shapes)} shapes, {sum(warms)} warm-up and {len(mlog.order)} timed calls in {mlog.wall_s:.1f} s, "
@@ -301,6 +319,14 @@ def call_stamps(wlog: Sequence[float | None], before: Sequence[int]) -> tuple[fl
             return ()
         out.append(math.sqrt(pair[0] * pair[1]))
     return tuple(out)
+
+
+def at_bandwidth(times_s: Sequence[float], stamps_gb_s: Sequence[float], usual_gb_s: float,
+                 memory_share: float) -> tuple[float, ...]:
+    """Each time as it would have been with the memory read at ``usual_gb_s`` instead of its stamp:
+    t × (w / usual) ** share. Only the share of the call spent reading memory stretches with the
+    bandwidth (a decode's time is mostly reading weights, a long prefill's mostly arithmetic)."""
+    return tuple(t * (w / usual_gb_s) ** memory_share for t, w in zip(times_s, stamps_gb_s))
 
 
 def spread(times: Sequence[float]) -> float:
@@ -368,8 +394,8 @@ def step_overheads(steps) -> list[float]:
     return out
 
 
-def measure_engine_runs(runner: ModelRunner, max_num_seqs: int,
-                        runs: int = 3) -> tuple[OverheadSummary, list[Measurement]]:
+def measure_engine_runs(runner: ModelRunner, max_num_seqs: int, runs: int = 3,
+                        stamp: Callable[[], float | None] | None = None) -> tuple[OverheadSummary, list[Measurement]]:
     """Serve a small burst (mixed prompt lengths, not the seed's) through the continuous Engine on
     this runner: the time outside the model call, from its StepRecords, and its model calls as
     measurements of kind "engine". Calls inside a serving loop run some percent slower than the
@@ -377,7 +403,11 @@ def measure_engine_runs(runner: ModelRunner, max_num_seqs: int,
     the fit learns from them too and the error table scores them. Every run serves the same
     lengths, so it makes the same plans: a shape's calls from all runs are one measurement, its
     repeats, and the fit takes their typical time (one run in a slow spell had made single calls
-    20% off, the worst held-out error of a calibration)."""
+    20% off, the worst held-out error of a calibration). With ``stamp`` (measure_shapes'
+    call_stamp), the weights' read rate is stamped just before and just after each run, and each
+    of its calls gets the geometric mean of the two (Measurement.stamps_gb_s), so the calls can be
+    put at the calibration's usual bandwidth as the grid's are (a run is a second or two, so the
+    pair places it, not each call)."""
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, long_prefill_token_threshold=32,
                              max_model_len=runner.max_model_len)
     engine = Engine(config, runner.model_config, runner=runner)
@@ -386,21 +416,28 @@ def measure_engine_runs(runner: ModelRunner, max_num_seqs: int,
     overheads: list[float] = []
     before: list[float] = []
     times: dict[Shape, list[float]] = {}
+    stamps: dict[Shape, list[float | None]] = {}
     plans: dict[Shape, BatchPlan] = {}
     busy = 0.0
     for k in range(runs + 1):  # the first run is a warm-up
         requests = make_requests(generate(workload), vocab_size=runner.vocab_size, seed=k, prefix=f"ovh{k}")
+        w0 = stamp() if stamp is not None and k else None
         result = engine.run(requests)
+        w1 = stamp() if stamp is not None and k else None
         engine.reset()
         if k:
             overheads += step_overheads(result.steps)
             before += [st.end_s - st.start_s - st.model_s for st in result.steps]
             busy += sum(s.model_s for s in result.steps)
+            w = math.sqrt(w0 * w1) if w0 and w1 and w0 > 0 and w1 > 0 else None
             for st in result.steps:
                 shape = Shape.of_plan(st.plan, "engine")
                 plans.setdefault(shape, st.plan)
                 times.setdefault(shape, []).append(st.model_s)
-    calls = [Measurement(shape, plans[shape], tuple(ts)) for shape, ts in times.items()]
+                stamps.setdefault(shape, []).append(w)
+    calls = [Measurement(shape, plans[shape], tuple(ts),
+                         stamps_gb_s=() if None in stamps[shape] else tuple(stamps[shape]))
+             for shape, ts in times.items()]
     arr = np.asarray(overheads)
     summary = OverheadSummary(float(np.median(arr)), float(arr.mean()), float(np.percentile(arr, 90)), len(arr),
                               float(arr.sum() / busy), float(np.median(before)), tuple(float(x) for x in arr))

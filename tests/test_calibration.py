@@ -214,10 +214,12 @@ def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tmp_path):
     assert physical["machine"]["memory_gb_s"] > 0 and physical["shape"]["layers"] == 2
     assert all(m["physical_s"] > 0 for m in data["measurements"])
     # where the decode weights can be read (not oneDNN's opaque copies), every grid call carries its
-    # stamp and its time as timed beside the one put at the usual bandwidth, and the rounds theirs
+    # stamp and its time as timed beside the one put at the usual bandwidth, and the rounds theirs;
+    # the engine calls carry their serving run's stamp, one per run (a shape's repeats are its runs)
     grid = [m for m in data["measurements"] if m["kind"] != "engine"]
     if data["weights_read_gb_s"]["before"] is not None:
-        assert all(len(m["stamps_gb_s"]) == len(m["raw_times_s"]) == len(m["times_s"]) for m in grid)
+        assert all(len(m["stamps_gb_s"]) == len(m["raw_times_s"]) == len(m["times_s"]) for m in data["measurements"])
+        assert 1 <= len({w for m in engine for w in m["stamps_gb_s"]}) <= 3
         assert len(data["weights_read_gb_s"]["rounds"]) >= GRID_SPECS["quick"].repeats
         assert "held out, as timed" in out.stdout and "every call stamped" in out.stdout
     else:
@@ -337,7 +339,10 @@ def test_a_call_timed_in_a_slow_spell_is_put_at_the_usual_bandwidth_by_its_memor
     decode, prefill = Shape("decode", (16,)), Shape("prefill", (), ((512, 0, True),))
     ms = [Measurement(decode, decode.to_plan(ids), (0.010, 0.020, 0.010), (), (40.0, 20.0, 40.0)),
           Measurement(prefill, prefill.to_plan(ids), (0.300, 0.300, 0.300), (), (40.0, 20.0, 40.0)),
-          Measurement(decode, decode.to_plan(ids), (0.012,))]  # unstamped (an engine call): kept as is
+          Measurement(decode, decode.to_plan(ids), (0.012,)),  # unstamped: kept as is
+          # an engine call, stamped per serving run: put at the grid's usual, never moving it
+          Measurement(Shape.of_plan(decode.to_plan(ids), "engine"), decode.to_plan(ids), (0.008, 0.008), (),
+                      (80.0, 80.0))]
     out, info = at_usual_bandwidth(ms, shape, machine)
     share = [b / machine.bandwidth_bytes_s / (b / machine.bandwidth_bytes_s + f / machine.matmul_flops_s)
              for b, f in (call_work(m.plan, shape) for m in ms[:2])]
@@ -346,5 +351,6 @@ def test_a_call_timed_in_a_slow_spell_is_put_at_the_usual_bandwidth_by_its_memor
     assert out[0].raw_times_s == (0.010, 0.020, 0.010) and out[0].spread < 0.05 < ms[0].spread
     assert out[1].times_s[1] == pytest.approx(0.300 * 0.5 ** share[1]) and out[1].times_s[1] > 0.28
     assert out[2] == ms[2]
-    assert info["usual_weights_gb_s"] == 40.0 and info["call_stamps"] == 6
+    assert out[3].times_s == pytest.approx((0.008 * 2 ** share[0],) * 2) and out[3].raw_times_s == (0.008, 0.008)
+    assert info["usual_weights_gb_s"] == 40.0 and info["call_stamps"] == 6 and info["engine_calls_stamped"] == 2
     assert at_usual_bandwidth([replace(ms[0], stamps_gb_s=())], shape, machine)[1] == {}

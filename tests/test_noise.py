@@ -125,6 +125,29 @@ def test_every_call_is_stamped_just_before_and_just_after_the_attempt_that_is_ke
     assert all(m.stamps_gb_s == () for m in plain) and not calls
 
 
+def test_extra_rounds_go_to_shapes_wide_at_the_usual_bandwidth_not_as_timed():
+    """a reads weights (memory share 1) and took twice as long in a round whose stamps read half as
+    fast: at the usual bandwidth its repeats agree, so it gets no extra round; c (share 0) was as
+    wide with the same stamps, and more repeats are what can narrow it. Without the shares both
+    are judged as timed and both get the extra rounds."""
+    shapes = [SHAPES["a"], SHAPES["c"]]
+    script = {"a": [(1.0, False), (2.0, False), (1.5, False)], "c": [(1.0, False), (2.0, False), (1.5, False)]}
+
+    def run(shares):
+        # before each call and after each round: round 0 (2 calls, 3 stamps) at 40 GB/s, round 1 at 20
+        stamps = iter([40.0] * 3 + [20.0] * 3 + [30.0] * 20)
+        pool = FakePool(script)
+        ms, mlog = measure_shapes(pool, shapes, repeats=2, warmup=0, progress=False,
+                                  robust=Robustness(wide_spread=0.1, extra_rounds=1),
+                                  call_stamp=lambda: next(stamps), memory_shares=shares)
+        return [len(m.times_s) for m in ms], ms
+
+    counts, ms = run([1.0, 0.0])
+    assert counts == [2, 3]  # c alone got the extra round
+    assert ms[0].times_s == (1.0, 2.0) or ms[0].times_s == (2.0, 1.0)  # kept as timed: at_usual_bandwidth puts them
+    assert run(None)[0] == [3, 3]  # as timed, a's 1.0 and 2.0 are as wide as c's
+
+
 def test_a_call_stamp_missing_leaves_the_shape_unstamped():
     assert call_stamps([40.0, 10.0, 40.0], [0, 1]) == pytest.approx((20.0, 20.0))
     assert call_stamps([40.0, None, 40.0], [0, 1]) == ()
