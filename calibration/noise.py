@@ -84,10 +84,12 @@ def noise_report(times: Sequence[Sequence[float]], typical: Sequence[float], pre
 
 def calibration_stamps(profile: dict) -> list[float]:
     """The memory stamps a calibration took (before, after, and between its rounds): every
-    profile with a ``memory_read_gb_s`` entry has the first two."""
+    profile with a ``memory_read_gb_s`` entry has the first two; its ``rounds`` (profiles before
+    the twenty-fifth session kept them as ``grid.round_stamps_gb_s``) the rest."""
     stamp = profile.get("memory_read_gb_s") or {}
     out = [stamp[k] for k in ("before", "after") if stamp.get(k)]
-    return out + [float(x) for x in (profile.get("grid") or {}).get("round_stamps_gb_s", ()) if x > 0]
+    rounds = stamp.get("rounds", (profile.get("grid") or {}).get("round_stamps_gb_s", ()))
+    return out + [float(x) for x in rounds or () if x > 0]
 
 
 @dataclass(frozen=True)

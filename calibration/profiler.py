@@ -130,7 +130,8 @@ class Robustness:
 
 @dataclass
 class MeasureLog:
-    """What happened while measuring, for the profile: order, retries, re-measured rounds, stamps."""
+    """What happened while measuring: order, retries, re-measured rounds, stamps (the profile
+    keeps the round stamps with the others: ``memory_read_gb_s.rounds``, ``weights_read_gb_s.rounds``)."""
 
     order: list[int] = field(default_factory=list)  # shape index of every timed call, in time order
     retried: int = 0
@@ -142,9 +143,7 @@ class MeasureLog:
 
     def to_dict(self) -> dict:
         return {"contended_retries": self.retried, "rounds_remeasured": self.rounds_remeasured,
-                "extra_rounds": self.extra_rounds, "round_stamps_gb_s": self.round_stamps_gb_s,
-                "round_weights_gb_s": self.round_weights_gb_s,
-                "measure_wall_s": self.wall_s}
+                "extra_rounds": self.extra_rounds, "measure_wall_s": self.wall_s}
 
 
 def execute_uncontended(pool: ShapePool, plan: BatchPlan, max_retries: int,

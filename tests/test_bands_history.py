@@ -117,7 +117,9 @@ def test_a_rows_band_draws_from_the_other_rows_runs_never_its_own():
     assert "other rows" in noise.describe() and "3 calibration stamps" in noise.source
     assert sorted(row_run_noise(cost, runs_of(), 0, "history", "stamps").memory_gb_s)[3:] == [101.0] * 3 + [102.0] * 3
     assert row_run_noise(cost, runs_of(), 1, "rounds").memory_gb_s == ()  # the band before the history
-    assert calibration_stamps(cost.info) == [41.0, 43.0, 42.0]
+    assert calibration_stamps(cost.info) == [41.0, 43.0, 42.0]  # an older profile's rounds, in its grid block
+    assert calibration_stamps({"memory_read_gb_s": {"before": 41.0, "after": 43.0, "rounds": [42.0, 0.0]}}
+                              ) == [41.0, 43.0, 42.0]  # where they are kept now
     # a profile with its own history draws from it instead of its calibration stamps
     kept = replace(cost, info={**cost.info, "noise": {"memory_gb_s_history": [55.0]}})
     assert sorted(row_run_noise(kept, runs_of(), 2, "history").memory_gb_s) == [10.0] * 3 + [20.0] * 3 + [55.0]
