@@ -295,7 +295,8 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
         # as timed: a real run's calls feel the bandwidth's moves within it, and the bands should too
         "noise": {**noise_report([m.times_s for m in timed], [m.typical_s for m in timed], predicted,
                                  [m.shape.kind for m in measurements],
-                                 plan.repeats + [0] * len(engine_calls), [m.contended for m in measurements]),
+                                 plan.repeats + [0] * len(engine_calls), [m.contended for m in measurements],
+                                 mlog.order),
                   # the slow component a replicate draws (calibration.noise.RunNoise)
                   **profile_history(model_config.num_threads, [memory.before, memory.after, *mlog.round_stamps_gb_s])},
         "measurements": [{"shape": m.shape.name, "kind": m.shape.kind, "tokens": m.plan.total_tokens,

@@ -6,6 +6,12 @@ Two parts, both as natural-log ratios (a call that took 10% longer is log 1.1):
   drawn with one of these is uniformly faster or slower, as a real run in a spell is.
 - ``call_log``: every timed call (grid repeats and the engine's own calls) against the fitted
   prediction, less its round's factor: the fit's error on that shape plus the call's own jitter.
+- ``call_lag1``: the correlation of one grid call's ``call_log`` entry with the next call's, in
+  the order they were timed (shapes in a random order each round, so it is the machine's, not a
+  shape's): a shared host's spells last longer than a call, so a slow call is followed by slow
+  calls. A replicate draws its calls' residuals as a process with this correlation
+  (sim.executors.NoisyExecutor): drawn independently, a request's decode steps averaged the noise
+  away and the simulated TPOT p99 sat at its p50 (docs/architecture.md).
 And over the grid shapes, their spread (min–max over median of the undisturbed repeats: what the
 calibration report prints beside its errors) and coefficient of variation.
 - ``memory_gb_s_history``: read-bandwidth stamps of this machine over a longer time than the
@@ -50,36 +56,69 @@ def _flags(contended: Sequence[Sequence[bool]], i: int, n: int) -> list[bool]:
 
 
 def noise_report(times: Sequence[Sequence[float]], typical: Sequence[float], predicted: Sequence[float],
-                 kinds: Sequence[str], rounds: int | Sequence[int], contended: Sequence[Sequence[bool]] = ()) -> dict:
+                 kinds: Sequence[str], rounds: int | Sequence[int], contended: Sequence[Sequence[bool]] = (),
+                 order: Sequence[int] = ()) -> dict:
     """The profile's ``noise`` entry. ``times[i]`` are shape i's timed calls in round order
     (engine calls: one each, ``kinds[i] == "engine"``), ``typical[i]`` the statistic the fit used,
     ``predicted[i]`` the fitted prediction; the first ``rounds`` (or ``rounds[i]``) repeats of
     grid shapes are rounds.
     Calls still contended after their retries (``contended[i][r]``) stay out of ``call_log``: a
-    real run that others disturbed is flagged and run again, so the band is for undisturbed runs."""
+    real run that others disturbed is flagged and run again, so the band is for undisturbed runs.
+    ``order``: the shape index of every grid call in the order it was timed
+    (calibration.profiler.MeasureLog.order), for ``call_lag1``."""
     per_shape = _per_shape(rounds, len(times))
     grid = [i for i, k in enumerate(kinds) if k != "engine"]
     factors = round_factors([times[i] for i in grid], [typical[i] for i in grid], [per_shape[i] for i in grid])
     flags = [_flags(contended, i, len(ts)) for i, ts in enumerate(times)]
     calls: list[float] = []
+    residual: list[list[float | None]] = []  # per shape, per call: its call_log entry (None: left out)
     for i, ts in enumerate(times):
+        residual.append([])
         for r, (t, disturbed) in enumerate(zip(ts, flags[i])):
             if t <= 0 or predicted[i] <= 0 or disturbed:
+                residual[i].append(None)
                 continue
             shift = factors[r] if kinds[i] != "engine" and r < min(len(factors), per_shape[i]) else 0.0
             calls.append(math.log(t / predicted[i]) - shift)
+            residual[i].append(calls[-1])
     spreads = []  # over each grid shape's undisturbed repeats, as the fit takes them
     for i in grid:
         clean = [t for t, disturbed in zip(times[i], flags[i]) if not disturbed]
         if len(clean) > 1:
             spreads.append((max(clean) - min(clean)) / statistics.median(clean))
     cvs = [float(np.std(times[i]) / np.mean(times[i])) for i in grid if len(times[i]) > 1]
-    return {"round_log": factors, "call_log": [round(x, 5) for x in calls],
+    return {"round_log": factors, "call_log": [round(x, 5) for x in calls], "call_lag1": lag1(residual, order),
             "call_log_p5_p50_p95": [float(x) for x in np.percentile(calls, [5, 50, 95])] if calls else [],
             "shape_spread": {"median": float(np.median(spreads)) if spreads else 0.0,
                              "p90": float(np.percentile(spreads, 90)) if spreads else 0.0,
                              "max": float(max(spreads, default=0.0))},
             "shape_cv_median": float(np.median(cvs)) if cvs else 0.0}
+
+
+def lag1(residual: Sequence[Sequence[float | None]], order: Sequence[int]) -> float:
+    """The correlation of each call's residual with the next call's, in time order: ``order``
+    names the shape of every call timed, shape i's k-th entry being ``residual[i][k]``. 0.0 where
+    the order does not account for every call (a round measured again, whose calls were dropped)
+    or too few pairs were left."""
+    seen = [0] * len(residual)
+    for i in order:
+        if not 0 <= i < len(residual):
+            return 0.0
+        seen[i] += 1
+    if not order or any(n != len(residual[i]) for i, n in enumerate(seen) if n):
+        return 0.0
+    taken = [0] * len(residual)
+    sequence: list[float | None] = []
+    for i in order:
+        sequence.append(residual[i][taken[i]])
+        taken[i] += 1
+    pairs = [(a, b) for a, b in zip(sequence, sequence[1:]) if a is not None and b is not None]
+    if len(pairs) < 10:
+        return 0.0
+    x, y = np.asarray(pairs).T
+    if x.std() == 0 or y.std() == 0:
+        return 0.0
+    return float(np.corrcoef(x, y)[0, 1])
 
 
 def calibration_stamps(profile: dict) -> list[float]:

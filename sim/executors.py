@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -118,9 +119,18 @@ class CostModelExecutor:
         return costs
 
 
+# a correlation past this would hold a replicate in one spell for its whole length (the run-wide
+# draw's business), not a few seconds
+MAX_CALL_LAG1 = 0.95
+
+
 class NoisyExecutor(CostModelExecutor):
     """The cost model with measured noise (calibration.noise), seeded: one run-wide draw and a
-    residual of the profile's own calls per call. The run-wide draw is, where ``run_noise`` has
+    residual of the profile's own calls per call. The residuals follow one another as the
+    calibration's calls did (``call_lag1``, ρ): e = μ + ρ (e_prev − μ) + √(1 − ρ²) (draw − μ), μ
+    the residuals' mean, so a call keeps the distribution of the profile's residuals and is as
+    correlated with the call before as a timed call was (ρ = 0, or a profile without it: each
+    drawn on its own, as before). The run-wide draw is, where ``run_noise`` has
     bandwidth stamps and the profile a physical model, one memory bandwidth from that history:
     each call is scaled by the physical model's time at that bandwidth over its time at the
     calibration's (calibration.physical.at_run_bandwidth, so only the memory-bound terms move);
@@ -131,6 +141,9 @@ class NoisyExecutor(CostModelExecutor):
         super().__init__(cost_model)
         noise = cost_model.info.get("noise") or {}
         self._calls = noise.get("call_log") or [0.0]
+        self._mean = statistics.fmean(self._calls)
+        self._lag1 = min(max(float(noise.get("call_lag1") or 0.0), 0.0), MAX_CALL_LAG1)
+        self._residual: float | None = None  # the last call's
         self.run_noise = run_noise or RunNoise.of_profile(cost_model.info)
         self._rng = random.Random(seed)
         physical = physical_model(cost_model) if self.run_noise.memory_gb_s else None
@@ -148,7 +161,15 @@ class NoisyExecutor(CostModelExecutor):
         if self._at_run is not None:
             base = self._base.predict(plan)
             call *= self._at_run.predict(plan) / base if base > 0 else 1.0
-        return call * math.exp(self._rng.choice(self._calls))
+        return call * math.exp(self._next_residual())
+
+    def _next_residual(self) -> float:
+        draw = self._rng.choice(self._calls)
+        if self._lag1 and self._residual is not None:
+            rho, mean = self._lag1, self._mean
+            draw = mean + rho * (self._residual - mean) + math.sqrt(1 - rho * rho) * (draw - mean)
+        self._residual = draw
+        return draw
 
     def decode_costs(self, num_decodes: int) -> None:
         return None

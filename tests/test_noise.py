@@ -3,6 +3,7 @@
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from calibration.cost_model import FEATURES, CostModel, weights_read_gb_s
@@ -207,6 +208,44 @@ def test_without_noise_a_replicate_is_the_deterministic_simulation():
     plain = simulate(burst(), CONFIG, lambda: CostModelExecutor(cost))
     assert rep.metrics() == plain.metrics()
     assert NoisyExecutor(cost, 0).decode_costs(4) is None  # every step drawn on its own
+
+
+def test_the_profile_measures_how_a_calls_noise_follows_the_call_before():
+    """Residuals in the order the calls were timed: a slow call followed by slow calls is a lag-1
+    correlation near 1, alternating slow and fast near -1; an order that does not account for every
+    call (a round measured again) gives none."""
+    from calibration.noise import lag1
+
+    slow_then_fast = [0.2] * 10 + [-0.2] * 10
+    shapes = [slow_then_fast[0::2], slow_then_fast[1::2]]  # two shapes timed in turn
+    assert lag1(shapes, [0, 1] * 10) > 0.8
+    assert lag1([[0.2] * 10, [-0.2] * 10], [0, 1] * 10) < -0.8  # every call flips
+    assert lag1(shapes, [0, 1] * 9) == 0.0  # two calls unaccounted for
+    assert lag1([[None] + shapes[0][1:], shapes[1]], [0, 1] * 10) > 0.8  # a left-out call breaks two pairs only
+    times = [[math.exp(x) for x in ts] for ts in shapes]  # as extra rounds (no round factor taken out)
+    report = noise_report(times, [1.0, 1.0], [1.0, 1.0], ["decode", "decode"], 0, order=[0, 1] * 10)
+    assert report["call_lag1"] > 0.8 and noise_report(times, [1.0, 1.0], [1.0, 1.0], ["decode"] * 2, 0)["call_lag1"] == 0.0
+
+
+def test_a_replicates_call_residuals_follow_one_another_as_the_calibrations_did():
+    """The residuals keep the profile's distribution (mean, spread) and take its lag-1 correlation;
+    without one they are drawn independently, exactly as before."""
+    call_log = [-0.2, -0.1, 0.0, 0.1, 0.3]
+    plain = noisy_cost(call_log=call_log)
+    draws = {}
+    for rho in (0.0, 0.8):
+        cost = replace(plain, info={**plain.info, "noise": {**plain.info["noise"], "call_lag1": rho}})
+        ex = NoisyExecutor(cost, 5)
+        draws[rho] = [ex._next_residual() for _ in range(20000)]
+    old = NoisyExecutor(plain, 5)
+    assert draws[0.0][:50] == [old._next_residual() for _ in range(50)]  # the old draws, in the old order
+    for rho, xs in draws.items():
+        x = np.asarray(xs)
+        assert abs(x.mean() - np.mean(call_log)) < 0.01 and abs(x.std() / np.std(call_log) - 1) < 0.1
+        assert abs(np.corrcoef(x[:-1], x[1:])[0, 1] - rho) < 0.05
+    # a request's mean over 40 decode steps keeps more of the noise: what moves a TPOT p99
+    means = {rho: np.asarray(xs[:20000 // 40 * 40]).reshape(-1, 40).mean(axis=1).std() for rho, xs in draws.items()}
+    assert means[0.8] > 2 * means[0.0]
 
 
 def test_band_is_a_90_percent_prediction_band_and_coverage_counts_ends():
