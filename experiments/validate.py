@@ -28,7 +28,10 @@ each metric's 5–95% band; coverage is the share of real runs inside it. Each r
 or its calibration's stamps, and every other row's real runs as their calls saw it, never the
 row's own) and a residual per call; validation.csv's ``band_source`` says which. Each timing metric also gets a leave-one-row-out band (sim.bands.conformal_band:
 the row's simulation scaled by the 5–95% spread of real/simulated over every other row's real runs)
-and its coverage: the band a user of this simulator on this machine can expect. Writes DIR/validation.csv, DIR/real_runs.csv (every attempt) and DIR/real_runs.json (also each
+and its coverage: the band a user of this simulator on this machine can expect. ``sim_calls_noise``
+(``bands.calls_noise`` replicates, 20): the median of replicates with the calls' own measured noise
+and no run-wide draw, judged by the same rule (``ok_calls_noise``): a deterministic run has no
+noise at all, so its tails sit at its medians (calibration.noise's ``call_lag1``). Writes DIR/validation.csv, DIR/real_runs.csv (every attempt) and DIR/real_runs.json (also each
 run's requests: ``real_runs=DIR/real_runs.json`` simulates against the same runs again) and prints the table.
 Without a profile, a quick calibration runs first. ``use_run_bandwidth=true`` times each row's
 simulation with the profile's physical model priced at the median bandwidth that row's real runs
@@ -45,6 +48,7 @@ import math
 import os
 import random
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -109,6 +113,10 @@ class ValidateBands:
     # what a real run adds to the history: "calls" the bandwidth its calls saw (through the
     # physical model, calibration.noise.calls_gb_s), "stamps" the probe stamped around it
     history: str = "calls"
+    # beside the deterministic simulation, the median of this many replicates with the calls' own
+    # measured noise and no run-wide draw (sim_calls_noise): the deterministic run has no noise, so
+    # its tails (a TPOT p99) sit at its medians where a noisy machine's do not (0: none)
+    calls_noise: int = 20
 
     def __post_init__(self) -> None:
         if self.draw not in ("history", "rounds"):
@@ -395,6 +403,10 @@ def row_run_noise(cost: AnyCostModel, runs: list[dict], row: int, draw: str, his
     return base.with_stamps(stamps, f"{len(others)} of other rows' real runs, {how}")
 
 
+# the calls' own noise, no run-wide draw (ValidateBands.calls_noise)
+CALLS_ONLY = RunNoise((), (0.0,), "the calls' own noise")
+
+
 def replay_requests(replay: list[tuple]) -> list[Request]:
     """Fresh requests with a real run's arrivals and lengths (real_runs.json's ``replay``)."""
     return [Request(rid, range(p), o, arrival_s=a) for rid, a, p, o in replay]
@@ -429,8 +441,11 @@ def row_moves(cost: AnyCostModel, row: Row, replay: list[tuple], sim_m: dict, by
 
 def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict], tolerance: dict,
                 calibration_gb_s: float, band_source: str = "", moves: dict[str, float] | None = None,
-                calibration_weights_gb_s: float = math.nan, source: str = "calls") -> list[dict]:
-    """validation.csv's records of one row, one per metric."""
+                calibration_weights_gb_s: float = math.nan, source: str = "calls",
+                calls_noise_m: Sequence[dict] = ()) -> list[dict]:
+    """validation.csv's records of one row, one per metric; with ``calls_noise_m`` (replicates
+    with the calls' own noise only), their median and whether it passes, beside the deterministic
+    simulation's."""
     used = counted(runs)
     seen_gb_s = runs_gb_s(runs, source)
     weights = [r["weights_gb_s"] for r in used if r.get("weights_gb_s") is not None]  # none in older real_runs
@@ -452,6 +467,10 @@ def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict]
                "calibration_weights_gb_s": calibration_weights_gb_s, "_real": real}
         if moves is not None:
             rec["sim_moves"] = moves[metric]
+        if calls_noise_m:
+            noisy = float(np.median([float(read(m)) for m in calls_noise_m]))
+            _, _, rec["ok_calls_noise"] = row_passes(noisy, real, tolerance[kind])
+            rec["sim_calls_noise"] = noisy
         if replicate_m:
             b = band([float(read(m)) for m in replicate_m])
             rec.update(band_p5=b["p5"], band_p50=b["p50"], band_p95=b["p95"], band_width=width(b),
@@ -507,9 +526,12 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
                   + (" (this row's own runs left out)" if noise.memory_gb_s else ""), flush=True)
         cost_row = row_cost(cost, mine, app.use_run_bandwidth, app.run_bandwidth)
         sim_m, rep_m = simulate_row(cost_row, row, mine[0]["replay"], app.bands.replicates, app.bands.seed, noise)
+        calls_m = [with_trace(r.metrics(), r.trace_calls(), row.scheduler.max_num_seqs) for r in replicates(
+            lambda: replay_requests(mine[0]["replay"]), row.scheduler, cost_row, app.bands.calls_noise, app.bands.seed,
+            run_noise=CALLS_ONLY, keep_steps=True)] if app.bands.calls_noise else []
         moves = row_moves(cost_row, row, mine[0]["replay"], sim_m, app.sensitivity) if app.sensitivity else None
         records += compare_row(row, mine, sim_m, rep_m, tolerance, calibration_gb_s, noise.describe(), moves,
-                               weights_read_gb_s(cost.info) or math.nan, app.run_bandwidth)
+                               weights_read_gb_s(cost.info) or math.nan, app.run_bandwidth, calls_m)
         used = counted(mine)
         print(f"  {row.name:14s} {row.scheduler.name:10s} cap={row.scheduler.max_num_seqs}: real "
               f"{statistics.median(r['metrics']['output_throughput_tok_s'] for r in used):.2f} (median of {len(used)}) "
@@ -591,6 +613,8 @@ def main(cfg) -> None:
           f"{flagged} rows kept a contended run (flagged)"
           + (f"; band coverage {coverage(df):.0%} (replicates)" if "band_hits" in df else "")
           + (f", {coverage(df, 'conformal'):.0%} (leave-one-row-out)" if "conformal_hits" in df else "")
+          + (f"; the median of {app.bands.calls_noise} replicates with the calls' own noise (sim_calls_noise): "
+             f"{int(df.ok_calls_noise.sum())}/{len(df)}" if "ok_calls_noise" in df else "")
           + (f"; {ill_conditioned(df)} comparisons move past their tolerance when every call is "
              f"{app.sensitivity:.0%} slower or faster (sim_moves), {ill_conditioned(df[~df.ok])} of those that miss"
              if "sim_moves" in df else "")

@@ -133,6 +133,9 @@ def test_tiny_validation_writes_the_error_table(tmp_path, tiny_profile):
     assert runs.contended.all() and runs.reason.str.contains("cores").all()
     assert (df.contended_runs == 2).all() and (df.reruns == 2).all()  # flagged, never silently averaged
     assert "in 90% band" in out.stdout and "band coverage" in out.stdout
+    # beside the deterministic simulation, the median of replicates with the calls' own noise
+    assert (df.sim_calls_noise > 0).all() and df.ok_calls_noise.dtype == bool
+    assert f"{int(df.ok_calls_noise.sum())}/{len(df)}" in out.stdout and "sim_calls_noise" in out.stdout
     timing = df[df.metric.isin(["output_throughput", "ttft_p50", "e2e_p99"])]  # leave-one-row-out bands
     assert (timing.conformal_p5 <= timing.conformal_p95).all() and (timing.conformal_hits <= timing.real_runs).all()
     assert df[df.metric == "model_calls"].conformal_hits.isna().all()  # counts, not times: none

@@ -99,6 +99,11 @@ def test_validate_rows_carry_the_runs_weights_stamp():
     tol = {"throughput": 0.05, "p50": 0.05, "p99": 0.1, "calls": 0.0, "occupancy": 0.05}
     recs = compare_row(row, runs, metrics, [], tol, 20.0, calibration_weights_gb_s=21.0)
     assert {r["weights_gb_s"] for r in recs} == {18.0} and {r["calibration_weights_gb_s"] for r in recs} == {21.0}
+    # the calls' own noise: the median of its replicates, judged by the same rule as the simulation
+    slow = {**metrics, "tpot_s": {"p50": 0.1, "p99": 0.3}}
+    noisy = {r["metric"]: r for r in compare_row(row, runs, metrics, [], tol, 20.0, calls_noise_m=[metrics, slow, slow])}
+    assert noisy["tpot_p99"]["sim_calls_noise"] == 0.3 and not noisy["tpot_p99"]["ok_calls_noise"]
+    assert noisy["tpot_p50"]["ok_calls_noise"] and "sim_calls_noise" not in recs[0]
     old = [{k: v for k, v in r.items() if k != "weights_gb_s"} for r in runs]
     assert all(math.isnan(r["weights_gb_s"]) for r in compare_row(row, old, metrics, [], tol, 20.0))
 
