@@ -315,8 +315,8 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     return Calibration(model, measurements, heldout, predicted, baseline, wall)
 
 
-# the share of the time budget the grid's measuring may take (the engine runs, the after-idle pairs'
-# calls and the fit take the rest, the after-idle sleeps come off it); of the measuring, the base
+# the share of the time budget the grid's measuring may take (the machine's probes, the engine runs,
+# the after-idle pairs' calls and the fit take the rest, the after-idle sleeps come off it); of the measuring, the base
 # rounds are planned to leave EXTRA_SHARE for the extra rounds of the shapes that spread wide
 MEASURE_SHARE = 0.8
 EXTRA_SHARE = 0.15

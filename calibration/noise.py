@@ -7,8 +7,8 @@ Two parts, both as natural-log ratios (a call that took 10% longer is log 1.1):
 - ``call_log``: every timed call (grid repeats and the engine's own calls) against the fitted
   prediction, less its round's factor: the fit's error on that shape plus the call's own jitter.
 - ``call_lag1``: the correlation of one grid call's ``call_log`` entry with the next call's, in
-  the order they were timed (shapes in a random order each round, so it is the machine's, not a
-  shape's): a shared host's spells last longer than a call, so a slow call is followed by slow
+  the order they were timed, over the base rounds (``call_lag1_pairs`` pairs; shapes in a fresh
+  random order each round, so it is the machine's, not a shape's): a shared host's spells last longer than a call, so a slow call is followed by slow
   calls. A replicate draws its calls' residuals as a process with this correlation
   (sim.executors.NoisyExecutor): drawn independently, a request's decode steps averaged the noise
   away and the simulated TPOT p99 sat at its p50 (docs/architecture.md).
@@ -80,14 +80,17 @@ def noise_report(times: Sequence[Sequence[float]], typical: Sequence[float], pre
                 continue
             shift = factors[r] if kinds[i] != "engine" and r < min(len(factors), per_shape[i]) else 0.0
             calls.append(math.log(t / predicted[i]) - shift)
-            residual[i].append(calls[-1])
+            # call_lag1 over the base rounds: each a fresh random order, its factor taken out (the
+            # extra rounds run shortest first, with none)
+            residual[i].append(calls[-1] if r < per_shape[i] else None)
     spreads = []  # over each grid shape's undisturbed repeats, as the fit takes them
     for i in grid:
         clean = [t for t, disturbed in zip(times[i], flags[i]) if not disturbed]
         if len(clean) > 1:
             spreads.append((max(clean) - min(clean)) / statistics.median(clean))
     cvs = [float(np.std(times[i]) / np.mean(times[i])) for i in grid if len(times[i]) > 1]
-    return {"round_log": factors, "call_log": [round(x, 5) for x in calls], "call_lag1": lag1(residual, order),
+    rho, pairs = lag1(residual, order)
+    return {"round_log": factors, "call_log": [round(x, 5) for x in calls], "call_lag1": rho, "call_lag1_pairs": pairs,
             "call_log_p5_p50_p95": [float(x) for x in np.percentile(calls, [5, 50, 95])] if calls else [],
             "shape_spread": {"median": float(np.median(spreads)) if spreads else 0.0,
                              "p90": float(np.percentile(spreads, 90)) if spreads else 0.0,
@@ -95,18 +98,18 @@ def noise_report(times: Sequence[Sequence[float]], typical: Sequence[float], pre
             "shape_cv_median": float(np.median(cvs)) if cvs else 0.0}
 
 
-def lag1(residual: Sequence[Sequence[float | None]], order: Sequence[int]) -> float:
-    """The correlation of each call's residual with the next call's, in time order: ``order``
-    names the shape of every call timed, shape i's k-th entry being ``residual[i][k]``. 0.0 where
-    the order does not account for every call (a round measured again, whose calls were dropped)
-    or too few pairs were left."""
+def lag1(residual: Sequence[Sequence[float | None]], order: Sequence[int]) -> tuple[float, int]:
+    """The correlation of each call's residual with the next call's, in time order, and over how
+    many pairs: ``order`` names the shape of every call kept, shape i's k-th entry being
+    ``residual[i][k]`` (None: left out, which breaks the pairs it is in). (0.0, 0) where the order
+    does not account for every call or too few pairs were left."""
     seen = [0] * len(residual)
     for i in order:
         if not 0 <= i < len(residual):
-            return 0.0
+            return 0.0, 0
         seen[i] += 1
     if not order or any(n != len(residual[i]) for i, n in enumerate(seen) if n):
-        return 0.0
+        return 0.0, 0
     taken = [0] * len(residual)
     sequence: list[float | None] = []
     for i in order:
@@ -114,17 +117,17 @@ def lag1(residual: Sequence[Sequence[float | None]], order: Sequence[int]) -> fl
         taken[i] += 1
     pairs = [(a, b) for a, b in zip(sequence, sequence[1:]) if a is not None and b is not None]
     if len(pairs) < 10:
-        return 0.0
+        return 0.0, 0
     x, y = np.asarray(pairs).T
     if x.std() == 0 or y.std() == 0:
-        return 0.0
-    return float(np.corrcoef(x, y)[0, 1])
+        return 0.0, 0
+    return float(np.corrcoef(x, y)[0, 1]), len(pairs)
 
 
 def calibration_stamps(profile: dict) -> list[float]:
     """The memory stamps a calibration took (before, after, and between its rounds): every
     profile with a ``memory_read_gb_s`` entry has the first two; its ``rounds`` (profiles before
-    the twenty-fifth session kept them as ``grid.round_stamps_gb_s``) the rest."""
+    58d5a4f kept them only as ``grid.round_stamps_gb_s``) the rest."""
     stamp = profile.get("memory_read_gb_s") or {}
     out = [stamp[k] for k in ("before", "after") if stamp.get(k)]
     rounds = stamp.get("rounds", (profile.get("grid") or {}).get("round_stamps_gb_s", ()))

@@ -133,7 +133,7 @@ class MeasureLog:
     """What happened while measuring: order, retries, re-measured rounds, stamps (the profile
     keeps the round stamps with the others: ``memory_read_gb_s.rounds``, ``weights_read_gb_s.rounds``)."""
 
-    order: list[int] = field(default_factory=list)  # shape index of every timed call, in time order
+    order: list[int] = field(default_factory=list)  # shape index of every kept timed call, in time order
     retried: int = 0
     rounds_remeasured: int = 0
     extra_rounds: int = 0
@@ -252,6 +252,7 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
                     mlog.round_weights_gb_s.append(weights_gb_s)
             if not drifted or attempt == 1 or over_budget():
                 break
+            del mlog.order[-len(order):]  # its calls are measured again: the order keeps the kept ones
             mlog.rounds_remeasured += 1
             bar.total += len(order)
         for i, (t, c, w) in got.items():
@@ -269,7 +270,8 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
         if not every:
             return times
         usual = statistics.median(every)
-        return [list(at_bandwidth(t, w, usual, share)) if w else t for t, w, share in zip(times, stamps, shares)]
+        return [list(at_bandwidth(t, w, usual, share)) if w else t
+                for t, w, share in zip(times, stamps, shares, strict=True)]
 
     rng = np.random.default_rng(seed + 2)
     for _ in range(robust.extra_rounds):
@@ -394,7 +396,8 @@ def step_overheads(steps) -> list[float]:
 
 
 def measure_engine_runs(runner: ModelRunner, max_num_seqs: int, runs: int = 3,
-                        stamp: Callable[[], float | None] | None = None) -> tuple[OverheadSummary, list[Measurement]]:
+                        call_stamp: Callable[[], float | None] | None = None
+                        ) -> tuple[OverheadSummary, list[Measurement]]:
     """Serve a small burst (mixed prompt lengths, not the seed's) through the continuous Engine on
     this runner: the time outside the model call, from its StepRecords, and its model calls as
     measurements of kind "engine". Calls inside a serving loop run some percent slower than the
@@ -402,8 +405,8 @@ def measure_engine_runs(runner: ModelRunner, max_num_seqs: int, runs: int = 3,
     the fit learns from them too and the error table scores them. Every run serves the same
     lengths, so it makes the same plans: a shape's calls from all runs are one measurement, its
     repeats, and the fit takes their typical time (one run in a slow spell had made single calls
-    20% off, the worst held-out error of a calibration). With ``stamp`` (measure_shapes'
-    call_stamp), the weights' read rate is stamped just before and just after each run, and each
+    20% off, the worst held-out error of a calibration). With ``call_stamp`` (measure_shapes'),
+    the weights' read rate is stamped just before and just after each run, and each
     of its calls gets the geometric mean of the two (Measurement.stamps_gb_s), so the calls can be
     put at the calibration's usual bandwidth as the grid's are (a run is a second or two, so the
     pair places it, not each call)."""
@@ -420,15 +423,15 @@ def measure_engine_runs(runner: ModelRunner, max_num_seqs: int, runs: int = 3,
     busy = 0.0
     for k in range(runs + 1):  # the first run is a warm-up
         requests = make_requests(generate(workload), vocab_size=runner.vocab_size, seed=k, prefix=f"ovh{k}")
-        w0 = stamp() if stamp is not None and k else None
+        w0 = call_stamp() if call_stamp is not None and k else None
         result = engine.run(requests)
-        w1 = stamp() if stamp is not None and k else None
+        w1 = call_stamp() if call_stamp is not None and k else None
         engine.reset()
         if k:
             overheads += step_overheads(result.steps)
             before += [st.end_s - st.start_s - st.model_s for st in result.steps]
             busy += sum(s.model_s for s in result.steps)
-            w = math.sqrt(w0 * w1) if w0 and w1 and w0 > 0 and w1 > 0 else None
+            w = (call_stamps([w0, w1], [0]) or (None,))[0]
             for st in result.steps:
                 shape = Shape.of_plan(st.plan, "engine")
                 plans.setdefault(shape, st.plan)

@@ -419,13 +419,18 @@ def simulate_replay(cost: AnyCostModel, row: Row, replay: list[tuple], time_scal
     return with_trace(sim.metrics(), sim.trace_calls(), row.scheduler.max_num_seqs)
 
 
+def replicate_metrics(cost: AnyCostModel, row: Row, replay: list[tuple], n: int, seed: int,
+                      run_noise: RunNoise | None = None) -> list[dict]:
+    """The metrics of ``n`` noisy replicates of a row's replay (sim.bands.replicates)."""
+    reps = (replicates(lambda: replay_requests(replay), row.scheduler, cost, n, seed, run_noise=run_noise,
+                       keep_steps=True) if n else [])
+    return [with_trace(r.metrics(), r.trace_calls(), row.scheduler.max_num_seqs) for r in reps]
+
+
 def simulate_row(cost: AnyCostModel, row: Row, replay: list[tuple], keep: int, seed: int,
                  run_noise: RunNoise | None = None) -> tuple[dict, list[dict]]:
     """The deterministic simulation on the real run's arrivals and lengths, and ``keep`` noisy replicates."""
-    cap = row.scheduler.max_num_seqs
-    reps = (replicates(lambda: replay_requests(replay), row.scheduler, cost, keep, seed, run_noise=run_noise,
-                       keep_steps=True) if keep else [])
-    return simulate_replay(cost, row, replay), [with_trace(r.metrics(), r.trace_calls(), cap) for r in reps]
+    return simulate_replay(cost, row, replay), replicate_metrics(cost, row, replay, keep, seed, run_noise)
 
 
 def row_moves(cost: AnyCostModel, row: Row, replay: list[tuple], sim_m: dict, by: float) -> dict[str, float]:
@@ -526,9 +531,7 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
                   + (" (this row's own runs left out)" if noise.memory_gb_s else ""), flush=True)
         cost_row = row_cost(cost, mine, app.use_run_bandwidth, app.run_bandwidth)
         sim_m, rep_m = simulate_row(cost_row, row, mine[0]["replay"], app.bands.replicates, app.bands.seed, noise)
-        calls_m = [with_trace(r.metrics(), r.trace_calls(), row.scheduler.max_num_seqs) for r in replicates(
-            lambda: replay_requests(mine[0]["replay"]), row.scheduler, cost_row, app.bands.calls_noise, app.bands.seed,
-            run_noise=CALLS_ONLY, keep_steps=True)] if app.bands.calls_noise else []
+        calls_m = replicate_metrics(cost_row, row, mine[0]["replay"], app.bands.calls_noise, app.bands.seed, CALLS_ONLY)
         moves = row_moves(cost_row, row, mine[0]["replay"], sim_m, app.sensitivity) if app.sensitivity else None
         records += compare_row(row, mine, sim_m, rep_m, tolerance, calibration_gb_s, noise.describe(), moves,
                                weights_read_gb_s(cost.info) or math.nan, app.run_bandwidth, calls_m)

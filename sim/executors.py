@@ -128,9 +128,9 @@ class NoisyExecutor(CostModelExecutor):
     """The cost model with measured noise (calibration.noise), seeded: one run-wide draw and a
     residual of the profile's own calls per call. The residuals follow one another as the
     calibration's calls did (``call_lag1``, ρ): e = μ + ρ (e_prev − μ) + √(1 − ρ²) (draw − μ), μ
-    the residuals' mean, so a call keeps the distribution of the profile's residuals and is as
-    correlated with the call before as a timed call was (ρ = 0, or a profile without it: each
-    drawn on its own, as before). The run-wide draw is, where ``run_noise`` has
+    the residuals' mean, so a call's residual keeps the profile's residuals' mean and variance (not
+    their shape, which tends to a normal as ρ grows) and is as correlated with the call before as
+    a timed call was (ρ = 0, or a profile without it: each drawn on its own, as before). The run-wide draw is, where ``run_noise`` has
     bandwidth stamps and the profile a physical model, one memory bandwidth from that history:
     each call is scaled by the physical model's time at that bandwidth over its time at the
     calibration's (calibration.physical.at_run_bandwidth, so only the memory-bound terms move);
@@ -142,7 +142,8 @@ class NoisyExecutor(CostModelExecutor):
         noise = cost_model.info.get("noise") or {}
         self._calls = noise.get("call_log") or [0.0]
         self._mean = statistics.fmean(self._calls)
-        self._lag1 = min(max(float(noise.get("call_lag1") or 0.0), 0.0), MAX_CALL_LAG1)
+        lag1 = float(noise.get("call_lag1") or 0.0)
+        self._lag1 = min(max(lag1, 0.0), MAX_CALL_LAG1) if math.isfinite(lag1) else 0.0
         self._residual: float | None = None  # the last call's
         self.run_noise = run_noise or RunNoise.of_profile(cost_model.info)
         self._rng = random.Random(seed)

@@ -224,6 +224,8 @@ def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tmp_path):
         assert "held out, as timed" in out.stdout and "every call stamped" in out.stdout
     else:
         assert not any("stamps_gb_s" in m for m in grid)
+    # the calls' order reached the noise report: the lag-1 correlation was computed over its pairs
+    assert data["noise"]["call_lag1_pairs"] > 0 and -1 <= data["noise"]["call_lag1"] <= 1
     refit = add_physical({k: v for k, v in data.items() if k not in ("physical", "preferred")},
                          PhysicalShape(**physical["shape"]))
     assert refit["physical"]["coefficients"] == pytest.approx(physical["coefficients"], rel=1e-6, abs=1e-12)
@@ -330,7 +332,7 @@ def test_a_call_timed_in_a_slow_spell_is_put_at_the_usual_bandwidth_by_its_memor
     time, and is put back; a long prefill (arithmetic) moves by its small memory share only."""
     from dataclasses import replace
 
-    from calibration.calibrate import at_usual_bandwidth
+    from calibration.calibrate import at_usual_bandwidth, memory_share
 
     shape = ModelShape(dense_params=10**8, lm_head_params=10**7, bytes_per_param=4, kv_bytes_per_token=1024,
                        attn_flops_per_pair=1000)
@@ -341,16 +343,15 @@ def test_a_call_timed_in_a_slow_spell_is_put_at_the_usual_bandwidth_by_its_memor
           Measurement(prefill, prefill.to_plan(ids), (0.300, 0.300, 0.300), (), (40.0, 20.0, 40.0)),
           Measurement(decode, decode.to_plan(ids), (0.012,)),  # unstamped: kept as is
           # an engine call, stamped per serving run: put at the grid's usual, never moving it
-          Measurement(Shape.of_plan(decode.to_plan(ids), "engine"), decode.to_plan(ids), (0.008, 0.008), (),
-                      (80.0, 80.0))]
+          Measurement(Shape.of_plan(decode.to_plan(ids), "engine"), decode.to_plan(ids), (0.008,) * 8, (),
+                      (80.0,) * 8)]  # enough to move a median over every stamp: the usual is the grid's
     out, info = at_usual_bandwidth(ms, shape, machine)
-    share = [b / machine.bandwidth_bytes_s / (b / machine.bandwidth_bytes_s + f / machine.matmul_flops_s)
-             for b, f in (call_work(m.plan, shape) for m in ms[:2])]
+    share = [memory_share(m.plan, shape, machine) for m in ms[:2]]
     assert share[0] > 0.95 and share[1] < 0.1
     assert out[0].times_s == pytest.approx((0.010, 0.020 * 0.5 ** share[0], 0.010))
     assert out[0].raw_times_s == (0.010, 0.020, 0.010) and out[0].spread < 0.05 < ms[0].spread
     assert out[1].times_s[1] == pytest.approx(0.300 * 0.5 ** share[1]) and out[1].times_s[1] > 0.28
     assert out[2] == ms[2]
-    assert out[3].times_s == pytest.approx((0.008 * 2 ** share[0],) * 2) and out[3].raw_times_s == (0.008, 0.008)
-    assert info["usual_weights_gb_s"] == 40.0 and info["call_stamps"] == 6 and info["engine_calls_stamped"] == 2
+    assert out[3].times_s == pytest.approx((0.008 * 2 ** share[0],) * 8) and out[3].raw_times_s == (0.008,) * 8
+    assert info["usual_weights_gb_s"] == 40.0 and info["call_stamps"] == 6 and info["engine_calls_stamped"] == 8
     assert at_usual_bandwidth([replace(ms[0], stamps_gb_s=())], shape, machine)[1] == {}

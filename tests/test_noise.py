@@ -70,6 +70,9 @@ def test_a_round_whose_memory_stamp_moved_is_measured_again():
     assert mlog.rounds_remeasured == 1 and mlog.round_stamps_gb_s == [30.0, 50.0, 49.0]
     assert all(len(m.times_s) == 2 for m in ms)  # the drifted round's times were dropped, not kept
     assert len(pool.calls) == 3 * len(SHAPES)
+    # and left the call order with them: the order names each kept time once (noise.call_lag1's)
+    names = list(SHAPES)
+    assert len(mlog.order) == 2 * len(SHAPES) and [names[i] for i in mlog.order] == pool.calls[len(SHAPES):]
 
 
 def test_the_weights_are_stamped_after_every_round_and_judged_by_the_median():
@@ -145,6 +148,7 @@ def test_extra_rounds_go_to_shapes_wide_at_the_usual_bandwidth_not_as_timed():
 
     counts, ms = run([1.0, 0.0])
     assert counts == [2, 3]  # c alone got the extra round
+    assert ms[1].stamps_gb_s == pytest.approx((40.0, 20.0, 30.0))  # its extra call stamped before and after it
     assert ms[0].times_s == (1.0, 2.0) or ms[0].times_s == (2.0, 1.0)  # kept as timed: at_usual_bandwidth puts them
     assert run(None)[0] == [3, 3]  # as timed, a's 1.0 and 2.0 are as wide as c's
 
@@ -218,13 +222,20 @@ def test_the_profile_measures_how_a_calls_noise_follows_the_call_before():
 
     slow_then_fast = [0.2] * 10 + [-0.2] * 10
     shapes = [slow_then_fast[0::2], slow_then_fast[1::2]]  # two shapes timed in turn
-    assert lag1(shapes, [0, 1] * 10) > 0.8
-    assert lag1([[0.2] * 10, [-0.2] * 10], [0, 1] * 10) < -0.8  # every call flips
-    assert lag1(shapes, [0, 1] * 9) == 0.0  # two calls unaccounted for
-    assert lag1([[None] + shapes[0][1:], shapes[1]], [0, 1] * 10) > 0.8  # a left-out call breaks two pairs only
-    times = [[math.exp(x) for x in ts] for ts in shapes]  # as extra rounds (no round factor taken out)
-    report = noise_report(times, [1.0, 1.0], [1.0, 1.0], ["decode", "decode"], 0, order=[0, 1] * 10)
-    assert report["call_lag1"] > 0.8 and noise_report(times, [1.0, 1.0], [1.0, 1.0], ["decode"] * 2, 0)["call_lag1"] == 0.0
+    assert lag1(shapes, [0, 1] * 10)[0] > 0.8
+    assert lag1([[0.2] * 10, [-0.2] * 10], [0, 1] * 10)[0] < -0.8  # every call flips
+    assert lag1(shapes, [0, 1] * 9) == (0.0, 0)  # two calls unaccounted for
+    rho, pairs = lag1([[None] + shapes[0][1:], shapes[1]], [0, 1] * 10)  # a left-out call (the first timed)
+    assert pairs == 18 and rho > 0.7  # breaks the one pair it is in only
+    # ten shapes timed in order, three rounds: in each the first five calls slow, the last five fast
+    # (the round's median, taken out, is 0): a spell inside the round, so the calls follow one another
+    times = [[math.exp(0.2 if i < 5 else -0.2)] * 3 for i in range(10)]
+    report = noise_report(times, [1.0] * 10, [1.0] * 10, ["decode"] * 10, 3, order=list(range(10)) * 3)
+    assert report["call_lag1"] > 0.5 and report["call_lag1_pairs"] == 29
+    assert noise_report(times, [1.0] * 10, [1.0] * 10, ["decode"] * 10, 3)["call_lag1_pairs"] == 0  # no order given
+    # the extra rounds (past the base rounds) run shortest first, not in a random order: left out
+    assert noise_report(times, [1.0] * 10, [1.0] * 10, ["decode"] * 10, 2, order=list(range(10)) * 3
+                        )["call_lag1_pairs"] == 19
 
 
 def test_a_replicates_call_residuals_follow_one_another_as_the_calibrations_did():
@@ -239,6 +250,9 @@ def test_a_replicates_call_residuals_follow_one_another_as_the_calibrations_did(
         draws[rho] = [ex._next_residual() for _ in range(20000)]
     old = NoisyExecutor(plain, 5)
     assert draws[0.0][:50] == [old._next_residual() for _ in range(50)]  # the old draws, in the old order
+    broken = replace(plain, info={**plain.info, "noise": {**plain.info["noise"], "call_lag1": float("nan")}})
+    nan_ex, plain_ex = NoisyExecutor(broken, 5), NoisyExecutor(plain, 5)
+    assert [nan_ex._next_residual() for _ in range(3)] == [plain_ex._next_residual() for _ in range(3)]  # NaN: none
     for rho, xs in draws.items():
         x = np.asarray(xs)
         assert abs(x.mean() - np.mean(call_log)) < 0.01 and abs(x.std() / np.std(call_log) - 1) < 0.1
