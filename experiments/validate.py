@@ -71,7 +71,7 @@ from engine.observe.workload import WorkloadConfig, generate, make_requests
 from experiments.fresh_process import in_fresh_process
 from experiments.report_table import format_table
 from experiments.schema import register, to_object
-from sim.bands import BAND_METRICS, band, conformal_band, inside, replicates, width
+from sim.bands import BAND_METRICS, CALLS_ONLY, band, conformal_band, inside, replicates, width
 from sim.run import load_cost_model, saturation_rate
 from sim.simulator import simulate
 from sim.executors import CostModelExecutor, physical_model
@@ -401,10 +401,6 @@ def row_run_noise(cost: AnyCostModel, runs: list[dict], row: int, draw: str, his
     how = "stamped" if not called else "as their calls saw it" if called == len(others) else \
         f"{called} as their calls saw it, the rest stamped"
     return base.with_stamps(stamps, f"{len(others)} of other rows' real runs, {how}")
-
-
-# the calls' own noise, no run-wide draw (ValidateBands.calls_noise)
-CALLS_ONLY = RunNoise((), (0.0,), "the calls' own noise")
 
 
 def replay_requests(replay: list[tuple]) -> list[Request]:

@@ -27,6 +27,11 @@ from engine.core.request import Request
 from sim.executors import NoisyExecutor
 from sim.simulator import SimResult, simulate
 
+# a replicate's calls with their own measured noise and no run-wide draw: beside a deterministic run,
+# which has no noise and so its tail percentiles at its medians, the median of such replicates
+# (validate's sim_calls_noise, simulate's bands.calls_noise)
+CALLS_ONLY = RunNoise((), (0.0,), "the calls' own noise")
+
 # metric name → how to read it from a metrics dict (engine.observe.metrics.summarize's keys)
 BAND_METRICS: dict[str, Callable[[dict], float]] = {
     "output_throughput": lambda m: m["output_throughput_tok_s"],

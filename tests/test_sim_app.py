@@ -132,3 +132,23 @@ def test_bands_from_the_profiles_noise_land_in_metrics_json(tmp_path):
         assert bands[name]["p5"] <= bands[name]["p50"] <= bands[name]["p95"]
     assert bands["e2e_p50"]["p95"] > bands["e2e_p50"]["p5"]  # the noise moves the metric
     assert json.loads((tmp_path / "a" / "metrics.json").read_text())["bands"] == bands
+
+
+def test_the_calls_own_noise_lifts_a_tail_off_its_median(tmp_path):
+    """bands.calls_noise=N: the median of N runs with the profile's call residuals only (correlated
+    call to call, no run-wide draw) lands in metrics.json; a deterministic run's TPOT p99 sits
+    near its p50, the noisy runs' does not."""
+    path = Path(tiny_profile(tmp_path / "profile.json"))
+    data = json.loads(path.read_text())
+    data["noise"] = {"round_log": [0.5], "call_log": [-0.3, -0.1, 0.0, 0.1, 0.3], "call_lag1": 0.8}
+    path.write_text(json.dumps(data))
+    args = ["model=tiny", f"calibration.profile={path}", "workload.num_requests=40", "workload.rate=50",
+            "bands.calls_noise=6"]
+    metrics = run_app(composed(*args), tmp_path / "a")
+    noisy = metrics["calls_noise"]
+    assert noisy["replicates"] == 6 and noisy == run_app(composed(*args), tmp_path / "b")["calls_noise"]  # seeded
+    assert "bands" not in metrics  # no run-wide draw asked for: the round factor (+65%) is never drawn
+    plain_spread = metrics["tpot_s"]["p99"] / metrics["tpot_s"]["p50"]
+    assert noisy["tpot_p99"] / noisy["tpot_p50"] > plain_spread
+    assert 0.7 < noisy["output_throughput"] / metrics["output_throughput_tok_s"] < 1.3
+    assert json.loads((tmp_path / "a" / "metrics.json").read_text())["calls_noise"] == noisy
