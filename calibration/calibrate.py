@@ -21,7 +21,7 @@ from calibration.budget import MeasurePlan, plan_measurement, price_calls
 from calibration.grid import GRID_SPECS, build_grid
 from calibration.kv_copy import measure_kv_copy
 from calibration.bandwidth_history import profile_history
-from calibration.noise import noise_report
+from calibration.noise import calibration_stamps, noise_report
 from calibration.profiler import (IDLE_SHAPES, Measurement, Robustness, ShapePool, after_idle_sleep_s,
                                   at_bandwidth, execute_uncontended, make_runner, measure_after_idle,
                                   measure_engine_runs, measure_shapes, spread, threads_of)
@@ -298,7 +298,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
                                  plan.repeats + [0] * len(engine_calls), [m.contended for m in measurements],
                                  mlog.order),
                   # the slow component a replicate draws (calibration.noise.RunNoise)
-                  **profile_history(model_config.num_threads, [memory.before, memory.after, *mlog.round_stamps_gb_s])},
+                  **profile_history(model_config.num_threads, calibration_stamps({"memory_read_gb_s": memory_stamps}))},
         "measurements": [{"shape": m.shape.name, "kind": m.shape.kind, "tokens": m.plan.total_tokens,
                           "requests": m.plan.num_requests, "samples": m.plan.num_samples,
                           "plan": plan_record(m.plan),

@@ -265,13 +265,13 @@ def measure_shapes(pool: ShapePool, shapes: list[Shape], repeats: int | Sequence
         """Each shape's kept times as its spread is judged: at the usual bandwidth (the median of
         the calls' stamps so far) where its calls were stamped and its memory share is known, else
         as timed."""
-        stamps = [call_stamps(wlog, a) if shares is not None else () for a in around]
-        every = [w for ws in stamps for w in ws]
+        stamped = [call_stamps(wlog, a) if shares is not None else () for a in around]
+        every = [w for ws in stamped for w in ws]
         if not every:
             return times
         usual = statistics.median(every)
         return [list(at_bandwidth(t, w, usual, share)) if w else t
-                for t, w, share in zip(times, stamps, shares, strict=True)]
+                for t, w, share in zip(times, stamped, shares, strict=True)]
 
     rng = np.random.default_rng(seed + 2)
     for _ in range(robust.extra_rounds):

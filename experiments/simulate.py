@@ -110,21 +110,21 @@ def run_app(app: SimulateApp, out_dir: Path) -> dict:
     metrics = write_outputs(result, out_dir, app.scheduler.max_num_seqs, goodput, cost)
     write_results_json(out_dir / "results.json", metrics, backend="miniserve-sim", label=app.scheduler.name,
                        model_id=app.model.path or app.model.name, workload=app.workload, goodput=goodput)
-    if app.bands.replicates > 0:
-        runs = replicates(lambda: workload_requests(app.workload)[0], app.scheduler, cost, app.bands.replicates,
-                          app.bands.seed, concurrency=workload_requests(app.workload)[1],
+    def replicate_bands(n: int, run_noise: RunNoise | None = None) -> dict[str, dict[str, float]]:
+        """Each metric's band over ``n`` noisy replicates of the workload (sim.bands)."""
+        runs = replicates(lambda: workload_requests(app.workload)[0], app.scheduler, cost, n, app.bands.seed,
+                          concurrency=workload_requests(app.workload)[1], run_noise=run_noise,
                           num_replicas=app.replicas, router=app.router)
+        return bands([r.log.summarize(r.duration_s, **goodput.seconds()) for r in runs])
+
+    if app.bands.replicates > 0:
         drawn_from = RunNoise.of_profile(cost.info).describe()
         log.info("bands: %d replicates, each a residual per call and a %s", app.bands.replicates, drawn_from)
         metrics = {**metrics, "bands": {"replicates": app.bands.replicates, "seed": app.bands.seed,
-                                        "drawn_from": drawn_from,
-                                        **bands([r.log.summarize(r.duration_s, **goodput.seconds()) for r in runs])}}
+                                        "drawn_from": drawn_from, **replicate_bands(app.bands.replicates)}}
         write_metrics_json(metrics, out_dir / "metrics.json")
     if app.bands.calls_noise > 0:
-        runs = replicates(lambda: workload_requests(app.workload)[0], app.scheduler, cost, app.bands.calls_noise,
-                          app.bands.seed, concurrency=workload_requests(app.workload)[1], run_noise=CALLS_ONLY,
-                          num_replicas=app.replicas, router=app.router)
-        medians = bands([r.log.summarize(r.duration_s, **goodput.seconds()) for r in runs])
+        medians = replicate_bands(app.bands.calls_noise, CALLS_ONLY)
         metrics = {**metrics, "calls_noise": {"replicates": app.bands.calls_noise, "seed": app.bands.seed,
                                               **{name: b["p50"] for name, b in medians.items()}}}
         write_metrics_json(metrics, out_dir / "metrics.json")
