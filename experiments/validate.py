@@ -31,7 +31,11 @@ the row's simulation scaled by the 5–95% spread of real/simulated over every o
 and its coverage: the band a user of this simulator on this machine can expect. ``sim_calls_noise``
 (``bands.calls_noise`` replicates, 20): the median of replicates with the calls' own measured noise
 and no run-wide draw, judged by the same rule (``ok_calls_noise``): a deterministic run has no
-noise at all, so its tails sit at its medians (calibration.noise's ``call_lag1``). Writes DIR/validation.csv, DIR/real_runs.csv (every attempt) and DIR/real_runs.json (also each
+noise at all, so its tails sit at its medians (calibration.noise's ``call_lag1``). With three or
+more repeats, ``repeat_ok``: how often one real run, held out, passes the same rule as the
+prediction of the row's other runs, and ``sim_ok_held_out``: how often the simulation passes
+against those same others — the first is the best any predictor can do on this machine, so the
+gap between them, not the pass count alone, is the simulator's. Writes DIR/validation.csv, DIR/real_runs.csv (every attempt) and DIR/real_runs.json (also each
 run's requests: ``real_runs=DIR/real_runs.json`` simulates against the same runs again) and prints the table.
 Without a profile, a quick calibration runs first. ``use_run_bandwidth=true`` times each row's
 simulation with the profile's physical model priced at the median bandwidth that row's real runs
@@ -324,6 +328,19 @@ def row_passes(sim: float, real: list[float], tolerance: float) -> tuple[float, 
     return err, allowed, abs(err) <= allowed
 
 
+def repeat_floor(sim: float, real: list[float], tolerance: float) -> tuple[float, float] | None:
+    """How often one real run, held out, passes as the prediction of the others, and how often the
+    simulation passes against the same others (each by ``row_passes``, averaged over which run is
+    held out). The simulator cannot beat a repeat of the run it predicts: judged on the same
+    references, the two rates say how far it is from the machine's own noise. None under three runs."""
+    if len(real) < 3:
+        return None
+    others = [real[:i] + real[i + 1:] for i in range(len(real))]
+    repeat = sum(row_passes(v, rest, tolerance)[2] for v, rest in zip(real, others)) / len(real)
+    simulated = sum(row_passes(sim, rest, tolerance)[2] for rest in others) / len(real)
+    return repeat, simulated
+
+
 def row_cost(cost: AnyCostModel, runs: list[dict], use_run_bandwidth: bool,
              source: str = "calls") -> AnyCostModel:
     """The cost model a row is simulated with: the profile's, or with ``use_run_bandwidth`` its
@@ -466,12 +483,17 @@ def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict]
                # the runs' and the calibration's own decode weights' read rates (MemoryStamp)
                "weights_gb_s": statistics.median(weights) if weights else math.nan,
                "calibration_weights_gb_s": calibration_weights_gb_s, "_real": real}
+        floor = repeat_floor(sim, real, tolerance[kind])
+        if floor is not None:
+            rec["repeat_ok"], rec["sim_ok_held_out"] = floor
         if moves is not None:
             rec["sim_moves"] = moves[metric]
         if calls_noise_m:
             noisy = float(np.median([float(read(m)) for m in calls_noise_m]))
             _, _, rec["ok_calls_noise"] = row_passes(noisy, real, tolerance[kind])
             rec["sim_calls_noise"] = noisy
+            if floor is not None:
+                rec["calls_noise_ok_held_out"] = repeat_floor(noisy, real, tolerance[kind])[1]
         if replicate_m:
             b = band([float(read(m)) for m in replicate_m])
             rec.update(band_p5=b["p5"], band_p50=b["p50"], band_p95=b["p95"], band_width=width(b),
@@ -559,6 +581,10 @@ def add_conformal_bands(records: list[dict], level: float = 0.90) -> None:
                    conformal_hits=sum(inside(v, b) for v in rec["_real"]))
 
 
+# repeat_floor's pass rates, as format_validation heads them
+HELD_OUT = {"sim_ok_held_out": "sim", "calls_noise_ok_held_out": "calls noise", "repeat_ok": "repeat"}
+
+
 def format_validation(df: pd.DataFrame) -> str:
     """Per metric: median and worst |error| against the real median, how many rows pass
     max(tolerance, half the spread), the real runs' median CV, how far the simulation moves with
@@ -570,6 +596,8 @@ def format_validation(df: pd.DataFrame) -> str:
         errs = sel.rel_error.abs()
         line = [metric, f"{errs.median():.1%}", f"{errs.max():.1%}", f"{sel.tolerance.iloc[0]:.0%}",
                 f"{int(sel.ok.sum())}/{len(sel)}", f"{sel.real_cv.median():.1%}"]
+        if "repeat_ok" in sel:
+            line += [" / ".join(f"{sel[c].sum():.1f}" for c in HELD_OUT if c in sel)]
         if "sim_moves" in sel:
             line += [f"{sel.sim_moves.median():.1%}", f"{ill_conditioned(sel)}"]
         for kind in ("band", "conformal"):
@@ -579,6 +607,8 @@ def format_validation(df: pd.DataFrame) -> str:
                          if len(has) else ["", ""])
         rows.append(line)
     head = ["metric", "median |err|", "worst |err|", "tolerance", "pass", "real CV"]
+    if "repeat_ok" in df:
+        head += ["held out: " + " / ".join(name for c, name in HELD_OUT.items() if c in df)]
     if "sim_moves" in df:
         head += ["sim moves", "ill-conditioned"]
     if "band_hits" in df:
@@ -612,6 +642,11 @@ def main(cfg) -> None:
           f"{flagged} rows kept a contended run (flagged)"
           + (f"; band coverage {coverage(df):.0%} (replicates)" if "band_hits" in df else "")
           + (f", {coverage(df, 'conformal'):.0%} (leave-one-row-out)" if "conformal_hits" in df else "")
+          + (f"; against a row's other real runs (each held out in turn) the simulation passes "
+             f"{df.sim_ok_held_out.sum():.1f}"
+             + (f" (calls-noise median {df.calls_noise_ok_held_out.sum():.1f})" if "calls_noise_ok_held_out" in df else "")
+             + f", the held-out real run itself {df.repeat_ok.sum():.1f} (the machine's own noise: repeat_ok)"
+             if "repeat_ok" in df and df.repeat_ok.notna().any() else "")
           + (f"; the median of {app.bands.calls_noise} replicates with the calls' own noise (sim_calls_noise): "
              f"{int(df.ok_calls_noise.sum())}/{len(df)}" if "ok_calls_noise" in df else "")
           + (f"; {ill_conditioned(df)} comparisons move past their tolerance when every call is "

@@ -123,6 +123,7 @@ def test_tiny_validation_writes_the_error_table(tmp_path, tiny_profile):
     assert {"real_max", "real_cv", "real_runs", "contended_runs", "reruns", "sim", "rel_error", "allowed", "ok",
             "band_p5", "band_p95", "band_width", "band_hits"} <= set(df.columns)
     assert (df.real_runs == 2).all() and (df.real_min <= df.real).all() and (df.real <= df.real_max).all()
+    assert "repeat_ok" not in df.columns and "held out" not in out.stdout  # two runs: none held out against two
     assert (df.allowed >= df.tolerance).all() and (df.ok == (df.rel_error.abs() <= df.allowed)).all()
     assert (df.band_p5 <= df.band_p95).all() and (df.band_hits <= df.real_runs).all()
     # each row's band draws a bandwidth from the 3 other rows' 4 attempts each (and the profile's history), never its own

@@ -12,7 +12,7 @@ from calibration.noise import noise_report, round_factors
 from calibration.profiler import Robustness, call_stamps, measure_shapes, round_order, trimmed_mean
 from engine.core.config import SchedulerConfig
 from engine.core.request import Request
-from experiments.validate import Contention, Stamps, contended, counted, row_passes
+from experiments.validate import Contention, Stamps, contended, counted, repeat_floor, row_passes
 from sim import CostModelExecutor, simulate
 from sim.bands import band, bands, conformal_band, inside, prediction_ranks, replicates, width
 from sim.executors import NoisyExecutor, cost_model_from
@@ -305,6 +305,19 @@ def test_a_row_passes_within_the_tolerance_or_half_the_real_spread():
     # tight real runs: the tolerance decides
     assert row_passes(104.0, [100.0, 100.0, 100.0], 0.05)[2] is True
     assert row_passes(106.0, [100.0, 100.0, 100.0], 0.05)[2] is False
+
+
+def test_repeat_floor_holds_each_real_run_out_in_turn():
+    # real 100, 104, 130 at 5%: 100 vs {104, 130} (median 117, allowed 11.1%): off 14.5%, fails;
+    # 104 vs {100, 130} (115, 13.0%): off 9.6%, passes; 130 vs {100, 104} (102, 5%): fails
+    repeat, sim = repeat_floor(103.0, [100.0, 104.0, 130.0], 0.05)
+    assert repeat == pytest.approx(1 / 3)
+    # the simulation against the same pairs: 103 vs 117 (−12.0%, fails), vs 115 (−10.4%, passes),
+    # vs 102 (+1.0%, passes)
+    assert sim == pytest.approx(2 / 3)
+    # identical real runs: every held-out run predicts the others exactly
+    assert repeat_floor(50.0, [100.0] * 4, 0.05) == (1.0, 0.0)
+    assert repeat_floor(100.0, [100.0, 101.0], 0.05) is None  # two runs: nothing left to judge by
 
 
 def test_contended_names_each_reason_and_old_profiles_skip_the_memory_check():
