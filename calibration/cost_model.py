@@ -15,7 +15,14 @@ Torch-free, so the simulator can load a profile without the model. Features (per
                      up to which the engine's gemv may sweep the weights once for all rows (9, 13,
                      17: GemvTuning.stream_rows 8, 12 or 16, measured per machine): the cost steps
                      up there (fp32 13% from 16 to 17 rows on one CPU), which a tent from 16 to 24
-                     priced as a straight line.
+                     priced as a straight line. Past that the gemv takes the rows in passes of its
+                     register block (8 rows with AVX-512, 6 with AVX2), each pass reading every
+                     weight again from cache, so the cost is a staircase: flat within a pass, a step
+                     just past each multiple of the block (bf16 on a Zen 5: 24 → 25 rows +12%, 32 →
+                     33 +15%, 48 → 49 +14%; a line from 32 to 64 priced 33-63 rows 8-12% short,
+                     and a serving loop's mixed steps have any row count). Both sides of every such
+                     step up to 65 rows, for both blocks (PASS_EDGES), are knots too, and every grid
+                     measures them, so whichever block this machine has, its steps are priced.
   samples@K          the same on the number of sampled rows S (the lm_head matmul, skipped when S=0)
 Tents are ``max(0, 1 − |x − K_i| / gap)`` between neighbouring knots and ``x / K_last`` past the last,
 so a call larger than any measured one extrapolates proportionally (compute-bound).
@@ -37,7 +44,12 @@ from pathlib import Path
 
 from engine.core.plan import BatchPlan
 
-TOKEN_KNOTS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 16, 17, 24, 32, 64, 128, 256)
+REGISTER_BLOCKS: tuple[int, ...] = (6, 8)  # the gemv's rows per pass: AVX2's, AVX-512's (gemv.cpp)
+# the row counts on both sides of each step of the passes' staircase, from past 16 rows to 65
+PASS_EDGES: tuple[int, ...] = tuple(sorted({n for b in REGISTER_BLOCKS for m in range(b, 65, b) if m > 16
+                                            for n in (m, m + 1)}))
+TOKEN_KNOTS: tuple[int, ...] = tuple(sorted({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 16, 17, 24, 32, 64, 128, 256}
+                                            | set(PASS_EDGES)))
 SAMPLE_KNOTS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
 BASE_FEATURES: tuple[str, ...] = ("const", "prefill_tokens", "decode_tokens", "decode_context",
                                   "prefill_attention", "num_requests")

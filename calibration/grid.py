@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from calibration.cost_model import PASS_EDGES
 from engine.core.plan import BatchPlan
 
 GRIDS = ("quick", "full")
@@ -81,6 +82,9 @@ class GridSpec:
     # low load; the longer idles get fewer rounds, as each costs its whole sleep
     idle_levels: tuple[tuple[float, int], ...] = ((0.1, 5), (0.5, 2), (1.5, 1), (4.0, 1))
     seed: int = 0
+    # whole prompts (from 0) at these lengths besides prefill_chunks: both sides of every step the
+    # gemv's passes take (cost_model.PASS_EDGES), a knot each, so the fit prices the steps
+    edge_chunks: tuple[int, ...] = PASS_EDGES
 
 
 GRID_SPECS: dict[str, GridSpec] = {
@@ -108,6 +112,9 @@ def build_grid(spec: GridSpec) -> list[Shape]:
         # a chunk that starts a prompt past 0 is a continuation; half of them end the prompt
         samples = c == 0 or (n + c) % 2 == 0
         shapes.append(Shape("prefill", chunks=((n, c, samples),)))
+    for n in spec.edge_chunks:
+        if (n, 0) not in set(itertools.product(spec.prefill_chunks, spec.prefill_contexts)):
+            shapes.append(Shape("prefill", chunks=((n, 0, True),)))
     for k, n in spec.multi_prefill:
         shapes.append(Shape("prefill", chunks=((n, 0, True),) * k))
     rng = np.random.default_rng(spec.seed)

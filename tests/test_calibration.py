@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from calibration.calibrate import add_physical, fit_cost_model
 from calibration.physical import PhysicalShape
-from calibration.cost_model import FEATURES, SAMPLE_KNOTS, TOKEN_KNOTS, CostModel, ProfileMismatchError, \
-    plan_features, tents
-from calibration.fit import Errors, fit_nnls, split_heldout
+from calibration.cost_model import FEATURES, PASS_EDGES, REGISTER_BLOCKS, SAMPLE_KNOTS, TOKEN_KNOTS, CostModel, \
+    ProfileMismatchError, plan_features, tents
+from calibration.fit import Errors, fit_nnls, split_heldout, supported_knots
 from calibration.grid import GRID_SPECS, Shape, build_grid
 from calibration.profiler import Measurement, step_overheads
 from calibration.roofline import GPU_CALLS, Machine, ModelShape, best_s, call_work, measure_machine, roofline_s
@@ -325,6 +325,24 @@ def test_the_knots_and_the_full_grid_bracket_every_step_the_gemv_may_take():
     full = GRID_SPECS["full"]
     for n in dispatch.STREAM_ROWS:
         assert {n, n + 1} <= set(TOKEN_KNOTS) and {n, n + 1} <= set(full.decode_batches)
+
+
+def test_every_grid_measures_both_sides_of_each_step_of_the_gemvs_passes():
+    """Past its one-sweep rows the gemv takes the rows in passes of its register block, so a call's
+    cost is flat within a pass and steps up just past each multiple of the block (8 rows with
+    AVX-512, 6 with AVX2): both sides of every step are knots, and every grid times a prompt at each,
+    whichever block the machine has."""
+    for block in REGISTER_BLOCKS:
+        for m in range(block, 65, block):
+            if m > 16:
+                assert {m, m + 1} <= set(TOKEN_KNOTS) & set(PASS_EDGES)
+    assert 17 < min(PASS_EDGES) and max(PASS_EDGES) == 65 and 26 not in PASS_EDGES  # 26: within a pass of both
+    for name, spec in GRID_SPECS.items():
+        prompts = {s.chunks[0][0] for s in build_grid(spec) if s.kind == "prefill" and len(s.chunks) == 1
+                   and s.chunks[0][1] == 0}
+        assert set(PASS_EDGES) <= prompts, name
+        # the fit pins each of those knots (calibration.fit.supported_knots)
+        assert all(supported_knots(prompts, TOKEN_KNOTS)[TOKEN_KNOTS.index(n)] for n in PASS_EDGES)
 
 
 def test_a_call_timed_in_a_slow_spell_is_put_at_the_usual_bandwidth_by_its_memory_bound_share():

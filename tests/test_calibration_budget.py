@@ -43,7 +43,7 @@ def test_a_budget_the_grid_fits_or_none_keeps_the_grid_as_written():
 def test_a_tight_budget_cuts_mixed_steps_then_warm_ups_then_repeats_of_long_calls_only():
     prices = slow_machine_prices(FULL)
     whole = 4 * sum(prices)
-    budget = 0.35 * whole
+    budget = 0.38 * whole  # every cut can bring it to 37% (the grid's prompts are never cut)
     plan = plan_measurement(FULL, prices, repeats=3, warmup=1, budget_s=budget)
     assert cost(plan) == pytest.approx(plan.predicted_s) and plan.predicted_s <= budget
     assert len(plan.cuts) == 3

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from calibration.cost_model import ProfileMismatchError
-from calibration.physical import (PHYSICAL_FEATURES, Machine, PhysicalCostModel, PhysicalShape, WhatIf,
+from calibration.physical import (PHYSICAL_FEATURES, ROW_KNOTS, Machine, PhysicalCostModel, PhysicalShape, WhatIf,
                                   at_run_bandwidth, hats, physical_features)
 from engine.core.config import ModelConfig
 from engine.core.model_shape import config_fingerprint, model_shape
@@ -54,7 +54,7 @@ def test_features_of_a_mixed_plan_match_hand_computed_bytes_and_flops():
     assert row[IDX["decode_attention"]] == pytest.approx((11 + 21) * 512 * 1e-9)  # bytes = FLOPs per pair here
     prefill = max(8 * 512, 5 * (3 + 3) * 512) + max(4 * 512, 4 * 2.5 * 512)
     assert row[IDX["prefill_attention"]] == pytest.approx(prefill * 1e-9)
-    assert sum(row[IDX[f"rows@{k}"]] for k in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64, 128, 256)) \
+    assert sum(row[IDX[f"rows@{k}"]] for k in ROW_KNOTS) \
         == pytest.approx(dense + lm)
 
 
