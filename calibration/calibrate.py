@@ -13,12 +13,13 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from calibration.cost_model import FEATURES, SAMPLE_KNOTS, TOKEN_KNOTS, CostModel, plan_features, stamped_gb_s
+from calibration.cost_model import (FEATURES, SAMPLE_KNOTS, TOKEN_KNOTS, CostModel, pass_edges, plan_features,
+                                   stamped_gb_s)
 from calibration.fit import Errors, fit_nnls_on_knots, knot_map, split_heldout, supported_knots
 from calibration.physical import (PHYSICAL_FEATURES, ROW_KNOTS, Machine as PhysicalMachine, PhysicalCostModel, PhysicalShape,
                                   physical_features)
 from calibration.budget import MeasurePlan, plan_measurement, price_calls
-from calibration.grid import GRID_SPECS, build_grid
+from calibration.grid import GRID_SPECS, GridSpec, build_grid
 from calibration.kv_copy import measure_kv_copy
 from calibration.bandwidth_history import profile_history
 from calibration.noise import calibration_stamps, noise_report
@@ -216,6 +217,10 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     max_len = max(s.max_len for s in shapes)
     slots = max(spec.max_seqs, max(s.num_requests for s in shapes))
     runner = make_runner(model_config, slots, max_len)
+    spec = with_pass_edges(spec, runner.pass_rows)
+    shapes = build_grid(spec)
+    log.info("prompts at %s rows: both sides of each step of %s", ", ".join(map(str, spec.edge_chunks)),
+             f"the gemv's {runner.pass_rows}-row passes" if runner.pass_rows else "6- and 8-row passes (no gemv here)")
     pool = ShapePool(runner, slots, max_len, seed=cfg.seed)
     idle_shapes = [s for s in IDLE_SHAPES if s.max_len <= max_len and s.num_requests <= slots]
     idle_levels = idle_levels_in_budget(spec.idle_levels, len(idle_shapes), cfg.time_budget_s)
@@ -325,6 +330,15 @@ EXTRA_SHARE = 0.15
 CALL_STAMP_BYTES = 128 << 20
 # the most of the time budget the after-idle sleeps may take: past it the longest idle lengths go
 IDLE_SHARE = 0.15
+
+
+def with_pass_edges(spec: GridSpec, pass_rows: int | None) -> GridSpec:
+    """The grid with prompts at the edges of this machine's gemv passes only (``pass_rows``, the
+    engine's: ModelRunner.pass_rows), as many shapes fewer as the other block has; where the engine
+    runs no gemv (None) both blocks' edges stay, the data then says where the steps are."""
+    if pass_rows is None:
+        return spec
+    return replace(spec, edge_chunks=tuple(n for n in spec.edge_chunks if n in pass_edges((pass_rows,))))
 
 
 def idle_levels_in_budget(levels: tuple[tuple[float, int], ...], num_shapes: int,

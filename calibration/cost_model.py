@@ -21,8 +21,10 @@ Torch-free, so the simulator can load a profile without the model. Features (per
                      just past each multiple of the block (bf16 on a Zen 5: 24 → 25 rows +12%, 32 →
                      33 +15%, 48 → 49 +14%; a line from 32 to 64 priced 33-63 rows 8-12% short,
                      and a serving loop's mixed steps have any row count). Both sides of every such
-                     step up to 65 rows, for both blocks (PASS_EDGES), are knots too, and every grid
-                     measures them, so whichever block this machine has, its steps are priced.
+                     step up to 65 rows, for both blocks (PASS_EDGES), are knots too, and a grid
+                     times a prompt at each edge of this machine's block (the engine says which:
+                     ModelRunner.pass_rows; both where it runs no gemv); the other block's knots
+                     follow their measured neighbours (calibration.fit.knot_map).
   samples@K          the same on the number of sampled rows S (the lm_head matmul, skipped when S=0)
 Tents are ``max(0, 1 − |x − K_i| / gap)`` between neighbouring knots and ``x / K_last`` past the last,
 so a call larger than any measured one extrapolates proportionally (compute-bound).
@@ -45,9 +47,14 @@ from pathlib import Path
 from engine.core.plan import BatchPlan
 
 REGISTER_BLOCKS: tuple[int, ...] = (6, 8)  # the gemv's rows per pass: AVX2's, AVX-512's (gemv.cpp)
-# the row counts on both sides of each step of the passes' staircase, from past 16 rows to 65
-PASS_EDGES: tuple[int, ...] = tuple(sorted({n for b in REGISTER_BLOCKS for m in range(b, 65, b) if m > 16
-                                            for n in (m, m + 1)}))
+
+
+def pass_edges(blocks: Sequence[int] = REGISTER_BLOCKS) -> tuple[int, ...]:
+    """The row counts on both sides of each step of the passes' staircase, past 16 rows up to 65."""
+    return tuple(sorted({n for b in blocks for m in range(b, 65, b) if m > 16 for n in (m, m + 1)}))
+
+
+PASS_EDGES: tuple[int, ...] = pass_edges()
 TOKEN_KNOTS: tuple[int, ...] = tuple(sorted({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 16, 17, 24, 32, 64, 128, 256}
                                             | set(PASS_EDGES)))
 SAMPLE_KNOTS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)

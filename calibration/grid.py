@@ -83,7 +83,8 @@ class GridSpec:
     idle_levels: tuple[tuple[float, int], ...] = ((0.1, 5), (0.5, 2), (1.5, 1), (4.0, 1))
     seed: int = 0
     # whole prompts (from 0) at these lengths besides prefill_chunks: both sides of every step the
-    # gemv's passes take (cost_model.PASS_EDGES), a knot each, so the fit prices the steps
+    # gemv's passes may take (cost_model.PASS_EDGES), a knot each, so the fit prices the steps; a
+    # calibration keeps those of its machine's block (calibration.calibrate.with_pass_edges)
     edge_chunks: tuple[int, ...] = PASS_EDGES
 
 

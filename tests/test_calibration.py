@@ -17,7 +17,7 @@ from calibration.cost_model import FEATURES, PASS_EDGES, REGISTER_BLOCKS, SAMPLE
     ProfileMismatchError, plan_features, tents
 from calibration.fit import Errors, fit_nnls, split_heldout, supported_knots
 from calibration.grid import GRID_SPECS, Shape, build_grid
-from calibration.profiler import Measurement, step_overheads
+from calibration.profiler import Measurement, make_runner, step_overheads
 from calibration.roofline import GPU_CALLS, Machine, ModelShape, best_s, call_work, measure_machine, roofline_s
 from engine.core.config import ModelConfig
 from engine.llm_engine import StepRecord
@@ -195,7 +195,12 @@ def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tmp_path):
     # table measured them faster (never where they cannot run)
     assert all(on["kernels"][k] == runs[k] for k in ("layer_ops", "argmax"))
     assert all(runs[k] or not on["kernels"][k] for k in ("gemv", "decode_attention", "prefill_attention"))
-    assert data["grid"]["calls"] == len(build_grid(GRID_SPECS["quick"])) and data["grid"]["budget"]["cuts"] == []
+    # the quick grid with prompts at the edges of this machine's gemv passes (both blocks' without a gemv)
+    edges = tuple(data["grid"]["spec"]["edge_chunks"])
+    assert set(edges) <= set(PASS_EDGES) and edges
+    from dataclasses import replace
+    quick = replace(GRID_SPECS["quick"], edge_chunks=edges)
+    assert data["grid"]["calls"] == len(build_grid(quick)) and data["grid"]["budget"]["cuts"] == []
     # what the budget leaves for measuring also bounds the retries and extra rounds
     assert 0 < data["grid"]["robust"]["budget_s"] == data["grid"]["budget"]["budget_s"] < 0.8 * 300
     kinds = [m["kind"] for m in data["measurements"]]
@@ -343,6 +348,23 @@ def test_every_grid_measures_both_sides_of_each_step_of_the_gemvs_passes():
         assert set(PASS_EDGES) <= prompts, name
         # the fit pins each of those knots (calibration.fit.supported_knots)
         assert all(supported_knots(prompts, TOKEN_KNOTS)[TOKEN_KNOTS.index(n)] for n in PASS_EDGES)
+
+
+def test_a_calibration_times_the_edges_of_its_own_machines_passes():
+    from calibration.calibrate import with_pass_edges
+    from calibration.cost_model import pass_edges
+    from engine.model.kernels import dispatch
+
+    full = GRID_SPECS["full"]
+    assert with_pass_edges(full, 8).edge_chunks == (24, 25, 32, 33, 40, 41, 48, 49, 56, 57, 64, 65)
+    assert with_pass_edges(full, 6).edge_chunks == (18, 19, 24, 25, 30, 31, 36, 37, 42, 43, 48, 49, 54, 55, 60, 61)
+    assert with_pass_edges(full, None) == full and set(pass_edges()) == set(pass_edges((6,)) + pass_edges((8,)))
+    # the engine says its block where its products past 16 rows run on the gemv, as this CPU builds it
+    runner = make_runner(ModelConfig(name="tiny", device="cpu"), 2, 64)
+    lean = runner._lean
+    on_gemv = lean is not None and lean.gemv is not None and any(
+        dispatch.choice_for_rows(lean.choices, r) == "gemv" for r in range(17, 66))
+    assert runner.pass_rows == ((8 if "avx512" in cpu_features() else 6) if on_gemv else None)
 
 
 def test_a_call_timed_in_a_slow_spell_is_put_at_the_usual_bandwidth_by_its_memory_bound_share():

@@ -74,6 +74,17 @@ class ModelRunner:
         if scheduler_config.enable_prefix_caching:
             self.prepare_prefix_store(scheduler_config.num_kv_blocks, scheduler_config.block_size)
 
+    @property
+    def pass_rows(self) -> int | None:
+        """Rows per pass where this runner's products run on miniserve's gemv (kernels.gemv_pass_rows:
+        a call's cost steps up just past each multiple); None where none do (oneDNN, F.linear, stock
+        layers, a GPU), whose blocking this engine does not know."""
+        lean = self._lean
+        if lean is None or lean.gemv is None or all(dispatch.choice_for_rows(lean.choices, rows) != "gemv"
+                                                    for rows in range(17, 66)):
+            return None
+        return kernels.gemv_pass_rows()
+
     def prepare_prefix_store(self, num_blocks: int, block_size: int) -> None:
         """Room for ``num_blocks`` cached prefix blocks (engine/model/prefix_store.py), for an
         engine whose scheduler caches prefixes; a store already big enough is kept."""

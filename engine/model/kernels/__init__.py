@@ -269,6 +269,13 @@ def gemv(dtype: torch.dtype):
 
 
 @functools.cache
+def gemv_pass_rows() -> int:
+    """Rows per pass of the gemv past its one sweep: gemv.cpp's kBlockRows with AVX-512 (8; the bf16
+    tiles' 16-row blocks step at multiples of it too), kBlockRowsAvx2 on an AVX2-only CPU (6). A
+    call's cost steps up just past each multiple (calibration.cost_model.PASS_EDGES)."""
+    return 8 if "avx512" in cpu_features() else 6
+
+
 def gemv_amx(dtype: torch.dtype) -> bool:
     """Whether the gemv can run ``dtype`` on AMX tiles here (bf16, a CPU with AMX as masked, and a
     Linux that grants the process the tiles' state)."""
