@@ -5,7 +5,8 @@
         [--repeats 3]
 
 Every model is built first (seeded random weights of its real shape; the profile's own model in
-the profile's dtype is always among them); then, ``--repeats`` times, each row (the seed burst and
+the profile's dtype is always among them; all held at once: bf16 0.5B + Qwen3-0.6B + 1.5B ~6 GB of
+weights, fp32 twice that); then, ``--repeats`` times, each row (the seed burst and
 one Poisson row at ``--load`` × that model's simulated saturation rate) is served by the real
 continuous engine on every model in turn, so the models' runs of one row and repeat lie seconds
 apart. The simulator replays the same arrivals with the profile's cost model — for another model
@@ -73,6 +74,7 @@ class Subject:
     """One model under test: its cost models, engine and rows (name, workload)."""
 
     name: str
+    dtype: str
     costs: dict
     runner: object
     engine: object
@@ -80,8 +82,8 @@ class Subject:
     runs: dict = field(default_factory=dict)  # (row, repeat) -> (RunResult, weights-placed GB/s, calls' GB/s)
 
     @property
-    def own(self) -> bool:
-        return self.costs["physical"].info.get("transfer") is None
+    def label(self) -> str:
+        return f"{self.name} ({self.dtype})"
 
 
 def build(name: str, dtype: str, profile: str, load: float, poisson_requests: int,
@@ -91,7 +93,7 @@ def build(name: str, dtype: str, profile: str, load: float, poisson_requests: in
 
     model = ModelConfig(name=name, dtype=dtype, device="cpu")
     costs = {"physical": load_cost_model(profile, model, physical=True)}
-    if costs["physical"].info.get("transfer") is None:
+    if costs["physical"].info.get("transfer") is None:  # the profile's own model and dtype
         costs["empirical"] = load_cost_model(profile, model)
         if isinstance(costs["empirical"], PhysicalCostModel):  # preferred physical: the empirical one by hand
             from calibration.cost_model import CostModel
@@ -101,7 +103,7 @@ def build(name: str, dtype: str, profile: str, load: float, poisson_requests: in
     rows = [("seed_burst", seed),
             (f"poisson@{load:g}", replace(seed, arrival="poisson", rate=load * mu, num_requests=poisson_requests))]
     runner = ModelRunner(model, scheduler)
-    return Subject(name, costs, runner, Engine(scheduler, model, runner=runner), rows)
+    return Subject(name, dtype, costs, runner, Engine(scheduler, model, runner=runner), rows)
 
 
 def serve(subject: Subject, row: int, repeat: int, scheduler: SchedulerConfig) -> None:
@@ -138,7 +140,7 @@ def records_of(subject: Subject, scheduler: SchedulerConfig, repeats: int) -> li
                 errs = np.concatenate([per_call_errors(cr, real.steps) for cr, real in zip(per_repeat, reals)])
                 sim_m = sim_metrics(c, reals[0], scheduler)  # every repeat serves the same arrivals
                 label = {"calibration": "", "run": " @run GB/s", "calls": " @its calls"}[priced]
-                rec = {"model": subject.name, "row": row_name, "cost": kind + label, "calls": len(reals[0].steps),
+                rec = {"model": subject.label, "row": row_name, "cost": kind + label, "calls": len(reals[0].steps),
                        "repeats": repeats, "call_median": float(np.median(errs)), "call_worst": float(errs.max()),
                        "priced_gb_s": c.memory_read_gb_s, "run_gb_s_runs": stamps, "calls_gb_s_runs": fitted,
                        "calibration_gb_s": cost.memory_read_gb_s}
@@ -165,16 +167,18 @@ def main() -> None:
     args = ap.parse_args()
     scheduler = SchedulerConfig(name="continuous", max_num_seqs=args.max_num_seqs)
     info = json.loads(Path(args.profile).read_text()).get("model", {})
-    own = (info.get("name"), info.get("dtype", "float32"))
+    if not info.get("name"):
+        raise SystemExit(f"{args.profile} names no model: calibrate again (python -m experiments.calibrate)")
+    own = (info["name"], info.get("dtype", "float32"))
     wanted = [(name, args.dtype) for name in args.models.split(",")]
     subjects = [build(name, dtype, args.profile, args.load, args.poisson_requests, scheduler)
                 for name, dtype in ([own] if own not in wanted else []) + wanted]
     for repeat in range(args.repeats):  # every model's run of a row and repeat close together in time
-        for row in range(2):  # Subject.rows: the seed burst, the Poisson row
+        for row in range(len(subjects[0].rows)):  # the seed burst, the Poisson row
             for subject in subjects:
                 serve(subject, row, repeat, scheduler)
                 real, placed, called = subject.runs[row, repeat]
-                print(f"  {subject.name} {subject.rows[row][0]} #{repeat}: {real.metrics()['output_throughput_tok_s']:.2f} "
+                print(f"  {subject.label} {subject.rows[row][0]} #{repeat}: {real.metrics()['output_throughput_tok_s']:.2f} "
                       f"tok/s, {len(real.steps)} calls; weights place it at {placed:.0f} GB/s, its calls at "
                       + (f"{called:.0f}" if called else "-"), flush=True)
     records = [rec for subject in subjects for rec in records_of(subject, scheduler, args.repeats)]

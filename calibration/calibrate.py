@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from calibration.cost_model import (FEATURES, SAMPLE_KNOTS, TOKEN_KNOTS, CostModel, pass_edges, plan_features,
-                                   stamped_gb_s)
+                                   stamped_gb_s, unmeasured_edges)
 from calibration.fit import Errors, fit_nnls_on_knots, knot_map, split_heldout, supported_knots
 from calibration.physical import (PHYSICAL_FEATURES, ROW_KNOTS, Machine as PhysicalMachine, PhysicalCostModel, PhysicalShape,
                                   physical_features)
@@ -71,12 +71,20 @@ class Calibration:
     wall_s: float
 
 
-def fit_cost_model(measurements: list[Measurement], heldout: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Coefficients fitted on the rows not held out, and every row's prediction."""
+def pinned(xs, knots: tuple[int, ...], free: frozenset[int]) -> list[bool]:
+    """The knots the calls ``xs`` pin down (calibration.fit.supported_knots) but those left ``free``
+    (cost_model.unmeasured_edges): those follow their neighbours."""
+    return [s and k not in free for k, s in zip(knots, supported_knots(xs, knots))]
+
+
+def fit_cost_model(measurements: list[Measurement], heldout: np.ndarray,
+                   free: frozenset[int] = frozenset()) -> tuple[np.ndarray, np.ndarray]:
+    """Coefficients fitted on the rows not held out, and every row's prediction; the token knots in
+    ``free`` follow their neighbours (``pinned``)."""
     X = np.asarray([plan_features(m.plan) for m in measurements])
     y = np.asarray([m.typical_s for m in measurements])
     train = [m.plan for m, held in zip(measurements, heldout) if not held]
-    tokens = knot_map(TOKEN_KNOTS, supported_knots((p.total_tokens for p in train), TOKEN_KNOTS), proportional=True)
+    tokens = knot_map(TOKEN_KNOTS, pinned([p.total_tokens for p in train], TOKEN_KNOTS, free), proportional=True)
     samples = knot_map(SAMPLE_KNOTS, supported_knots((p.num_samples for p in train if p.num_samples), SAMPLE_KNOTS),
                        proportional=True)
     coef = fit_nnls_on_knots(X[~heldout], y[~heldout], [(FEATURES.index(f"tokens@{TOKEN_KNOTS[0]}"), tokens),
@@ -85,23 +93,24 @@ def fit_cost_model(measurements: list[Measurement], heldout: np.ndarray) -> tupl
 
 
 def fit_physical(measurements: list, heldout: np.ndarray, shape: PhysicalShape,
-                 machine: PhysicalMachine) -> tuple[np.ndarray, np.ndarray]:
+                 machine: PhysicalMachine, free: frozenset[int] = frozenset()) -> tuple[np.ndarray, np.ndarray]:
     """The physical model's inefficiencies fitted on the rows not held out (NNLS on relative error,
     as the empirical model), and every row's prediction."""
     X = np.asarray([physical_features(m.plan, shape, machine) for m in measurements])
     y = np.asarray([m.median_s for m in measurements])
     train = [m.plan for m, held in zip(measurements, heldout) if not held]
     rows = [p.total_tokens for p in train] + [p.num_samples for p in train if p.num_samples]
-    curve = knot_map(ROW_KNOTS, supported_knots(rows, ROW_KNOTS), proportional=False)
+    curve = knot_map(ROW_KNOTS, pinned(rows, ROW_KNOTS, free), proportional=False)
     coef = fit_nnls_on_knots(X[~heldout], y[~heldout], [(PHYSICAL_FEATURES.index(f"rows@{ROW_KNOTS[0]}"), curve)])
     return coef, X @ coef
 
 
 def physical_block(measurements: list, heldout: np.ndarray, shape: PhysicalShape, machine: PhysicalMachine,
-                   step_overhead_s: float) -> tuple[PhysicalCostModel, np.ndarray, dict]:
+                   step_overhead_s: float, free: frozenset[int] = frozenset()
+                   ) -> tuple[PhysicalCostModel, np.ndarray, dict]:
     """Fit the physical model; its model, predictions and error table (the same table as the
     empirical model's)."""
-    coef, predicted = fit_physical(measurements, heldout, shape, machine)
+    coef, predicted = fit_physical(measurements, heldout, shape, machine, free)
     cost = PhysicalCostModel(tuple(float(c) for c in coef), shape, machine, step_overhead_s)
     y = np.asarray([m.median_s for m in measurements])
     kinds = np.asarray([m.shape.kind for m in measurements])
@@ -133,7 +142,8 @@ def add_physical(profile: dict, shape: PhysicalShape, machine: PhysicalMachine |
     rows = profile["measurements"]
     ms = [Measurement(Shape(r["kind"]), plan_from_record(r["plan"]), tuple(r["times_s"])) for r in rows]
     heldout = np.asarray([r["heldout"] for r in rows])
-    cost, _, fit = physical_block(ms, heldout, shape, machine, profile.get("step_overhead_s", 0.0))
+    free = unmeasured_edges(profile.get("grid", {}).get("spec", {}).get("edge_chunks", ()))
+    cost, _, fit = physical_block(ms, heldout, shape, machine, profile.get("step_overhead_s", 0.0), free)
     return {**profile, "physical": {**cost.to_dict(), "fit": fit},
             "preferred": preferred_model(profile["fit"], fit)}
 
@@ -251,7 +261,11 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     measurements, usual = at_usual_bandwidth(measurements + engine_calls, mshape, machine)
 
     heldout = split_heldout([m.shape.kind for m in measurements], cfg.heldout_fraction, cfg.seed)
-    coef, predicted = fit_cost_model(measurements, heldout)
+    # a pass edge's prompt is its knot's one shape: held out, the fit would draw a line across the step
+    heldout &= ~np.asarray([m.shape.kind == "prefill" and len(m.shape.chunks) == 1 and m.shape.chunks[0][1] == 0
+                            and m.shape.chunks[0][0] in spec.edge_chunks for m in measurements])
+    free = unmeasured_edges(spec.edge_chunks)  # the other block's edge knots follow their neighbours
+    coef, predicted = fit_cost_model(measurements, heldout, free)
     baseline = np.asarray([roofline_s(m.plan, mshape, machine) for m in measurements])
     fit = error_table(measurements, predicted, baseline, heldout)
     y = np.asarray([m.typical_s for m in measurements])
@@ -260,7 +274,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     memory_stamps = {"before": memory.before, "after": memory.after, "rounds": mlog.round_stamps_gb_s}
     pmachine = PhysicalMachine(stamped_gb_s(memory_stamps), machine.matmul_flops_s / 1e9)
     physical, physical_predicted, physical_fit = physical_block(measurements, heldout, pshape, pmachine,
-                                                                overhead.median_s)
+                                                                overhead.median_s, free)
     timed = [as_timed(m) for m in measurements]  # the calls as they were timed (the noise block's too)
     if usual:  # the held-out calls as timed, beside the same put at the usual bandwidth; each model
         # scored by the statistic it is fitted on

@@ -82,7 +82,8 @@ class GridSpec:
     # low load; the longer idles get fewer rounds, as each costs its whole sleep
     idle_levels: tuple[tuple[float, int], ...] = ((0.1, 5), (0.5, 2), (1.5, 1), (4.0, 1))
     seed: int = 0
-    # whole prompts (from 0) at these lengths besides prefill_chunks: both sides of every step the
+    # whole prompts (from 0) at these lengths besides prefill_chunks (never held out of the fit:
+    # each is its knot's one shape): both sides of every step the
     # gemv's passes may take (cost_model.PASS_EDGES), a knot each, so the fit prices the steps; a
     # calibration keeps those of its machine's block (calibration.calibrate.with_pass_edges)
     edge_chunks: tuple[int, ...] = PASS_EDGES
@@ -114,7 +115,7 @@ def build_grid(spec: GridSpec) -> list[Shape]:
         samples = c == 0 or (n + c) % 2 == 0
         shapes.append(Shape("prefill", chunks=((n, c, samples),)))
     for n in spec.edge_chunks:
-        if (n, 0) not in set(itertools.product(spec.prefill_chunks, spec.prefill_contexts)):
+        if not (n in spec.prefill_chunks and 0 in spec.prefill_contexts):
             shapes.append(Shape("prefill", chunks=((n, 0, True),)))
     for k, n in spec.multi_prefill:
         shapes.append(Shape("prefill", chunks=((n, 0, True),) * k))

@@ -34,8 +34,10 @@ and no run-wide draw, judged by the same rule (``ok_calls_noise``): a determinis
 noise at all, so its tails sit at its medians (calibration.noise's ``call_lag1``). With three or
 more repeats, ``repeat_ok``: how often one real run, held out, passes the same rule as the
 prediction of the row's other runs, and ``sim_ok_held_out``: how often the simulation passes
-against those same others — the first is the best any predictor can do on this machine, so the
-gap between them, not the pass count alone, is the simulator's. Writes DIR/validation.csv, DIR/real_runs.csv (every attempt) and DIR/real_runs.json (also each
+against those same others. A repeat is what running the real thing once more gives: a reference,
+not a bound (it is one noisy draw, the simulation a central estimate, which can pass more often);
+a metric where the simulation passes less often than a repeat is where the simulator, not the
+machine's noise, is short. Writes DIR/validation.csv, DIR/real_runs.csv (every attempt) and DIR/real_runs.json (also each
 run's requests: ``real_runs=DIR/real_runs.json`` simulates against the same runs again) and prints the table.
 Without a profile, a quick calibration runs first. ``use_run_bandwidth=true`` times each row's
 simulation with the profile's physical model priced at the median bandwidth that row's real runs
@@ -331,8 +333,9 @@ def row_passes(sim: float, real: list[float], tolerance: float) -> tuple[float, 
 def repeat_floor(sim: float, real: list[float], tolerance: float) -> tuple[float, float] | None:
     """How often one real run, held out, passes as the prediction of the others, and how often the
     simulation passes against the same others (each by ``row_passes``, averaged over which run is
-    held out). The simulator cannot beat a repeat of the run it predicts: judged on the same
-    references, the two rates say how far it is from the machine's own noise. None under three runs."""
+    held out). Judged on the same references, a repeat of the real run is the reference the
+    simulation is measured against (not a bound: a repeat is one noisy draw, the simulation a
+    central estimate). None under three runs."""
     if len(real) < 3:
         return None
     others = [real[:i] + real[i + 1:] for i in range(len(real))]
@@ -492,8 +495,9 @@ def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict]
             noisy = float(np.median([float(read(m)) for m in calls_noise_m]))
             _, _, rec["ok_calls_noise"] = row_passes(noisy, real, tolerance[kind])
             rec["sim_calls_noise"] = noisy
-            if floor is not None:
-                rec["calls_noise_ok_held_out"] = repeat_floor(noisy, real, tolerance[kind])[1]
+            noisy_floor = repeat_floor(noisy, real, tolerance[kind])
+            if noisy_floor is not None:
+                rec["calls_noise_ok_held_out"] = noisy_floor[1]
         if replicate_m:
             b = band([float(read(m)) for m in replicate_m])
             rec.update(band_p5=b["p5"], band_p50=b["p50"], band_p95=b["p95"], band_width=width(b),
@@ -587,7 +591,8 @@ HELD_OUT = {"sim_ok_held_out": "sim", "calls_noise_ok_held_out": "calls noise", 
 
 def format_validation(df: pd.DataFrame) -> str:
     """Per metric: median and worst |error| against the real median, how many rows pass
-    max(tolerance, half the spread), the real runs' median CV, how far the simulation moves with
+    max(tolerance, half the spread), the real runs' median CV, how often the simulation and a
+    held-out real run pass against a row's other runs (repeat_floor), how far the simulation moves with
     the machine's speed (median; and in how many rows past the tolerance), band coverage and
     median width."""
     rows = []
@@ -645,7 +650,8 @@ def main(cfg) -> None:
           + (f"; against a row's other real runs (each held out in turn) the simulation passes "
              f"{df.sim_ok_held_out.sum():.1f}"
              + (f" (calls-noise median {df.calls_noise_ok_held_out.sum():.1f})" if "calls_noise_ok_held_out" in df else "")
-             + f", the held-out real run itself {df.repeat_ok.sum():.1f} (the machine's own noise: repeat_ok)"
+             + f", the held-out real run itself {df.repeat_ok.sum():.1f} (repeat_ok), of the "
+             f"{int(df.repeat_ok.notna().sum())} comparisons with three runs or more"
              if "repeat_ok" in df and df.repeat_ok.notna().any() else "")
           + (f"; the median of {app.bands.calls_noise} replicates with the calls' own noise (sim_calls_noise): "
              f"{int(df.ok_calls_noise.sum())}/{len(df)}" if "ok_calls_noise" in df else "")

@@ -350,6 +350,20 @@ def test_every_grid_measures_both_sides_of_each_step_of_the_gemvs_passes():
         assert all(supported_knots(prompts, TOKEN_KNOTS)[TOKEN_KNOTS.index(n)] for n in PASS_EDGES)
 
 
+def test_the_other_blocks_edge_knots_follow_their_neighbours():
+    from calibration.calibrate import pinned, with_pass_edges
+    from calibration.cost_model import unmeasured_edges
+
+    free = unmeasured_edges(with_pass_edges(GRID_SPECS["full"], 8).edge_chunks)
+    assert free == {18, 19, 30, 31, 36, 37, 42, 43, 54, 55, 60, 61}  # AVX2's edges that are not AVX-512's
+    # 3 × 12 tokens falls on 36: supported, but left to 33 and 40 on an AVX-512 machine
+    xs = [36, 33, 40, 32, 41]
+    assert supported_knots(xs, TOKEN_KNOTS)[TOKEN_KNOTS.index(36)]
+    kept = pinned(xs, TOKEN_KNOTS, free)
+    assert not kept[TOKEN_KNOTS.index(36)] and kept[TOKEN_KNOTS.index(33)] and kept[TOKEN_KNOTS.index(40)]
+    assert pinned(xs, TOKEN_KNOTS, frozenset()) == supported_knots(xs, TOKEN_KNOTS)
+
+
 def test_a_calibration_times_the_edges_of_its_own_machines_passes():
     from calibration.calibrate import with_pass_edges
     from calibration.cost_model import pass_edges

@@ -276,6 +276,7 @@ def gemv_pass_rows() -> int:
     return 8 if "avx512" in cpu_features() else 6
 
 
+@functools.cache
 def gemv_amx(dtype: torch.dtype) -> bool:
     """Whether the gemv can run ``dtype`` on AMX tiles here (bf16, a CPU with AMX as masked, and a
     Linux that grants the process the tiles' state)."""
