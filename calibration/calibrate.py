@@ -19,7 +19,7 @@ from calibration.fit import Errors, fit_nnls_on_knots, knot_map, split_heldout, 
 from calibration.physical import (PHYSICAL_FEATURES, ROW_KNOTS, Machine as PhysicalMachine, PhysicalCostModel, PhysicalShape,
                                   physical_features)
 from calibration.budget import MeasurePlan, plan_measurement, price_calls
-from calibration.grid import GRID_SPECS, GridSpec, build_grid
+from calibration.grid import GRID_SPECS, GridSpec, build_grid, edge_prompts
 from calibration.kv_copy import measure_kv_copy
 from calibration.bandwidth_history import profile_history
 from calibration.noise import calibration_stamps, noise_report
@@ -262,8 +262,8 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
 
     heldout = split_heldout([m.shape.kind for m in measurements], cfg.heldout_fraction, cfg.seed)
     # a pass edge's prompt is its knot's one shape: held out, the fit would draw a line across the step
-    heldout &= ~np.asarray([m.shape.kind == "prefill" and len(m.shape.chunks) == 1 and m.shape.chunks[0][1] == 0
-                            and m.shape.chunks[0][0] in spec.edge_chunks for m in measurements])
+    edges = set(edge_prompts(spec))
+    heldout &= ~np.asarray([m.shape in edges for m in measurements])
     free = unmeasured_edges(spec.edge_chunks)  # the other block's edge knots follow their neighbours
     coef, predicted = fit_cost_model(measurements, heldout, free)
     baseline = np.asarray([roofline_s(m.plan, mshape, machine) for m in measurements])

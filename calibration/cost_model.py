@@ -63,6 +63,8 @@ def unmeasured_edges(edges: Sequence[int]) -> frozenset[int]:
     near one by chance (a multi-prompt of 3 × 12 tokens at 36): that call's noise would own a knot
     where this machine's cost has no step."""
     return frozenset(PASS_EDGES) - frozenset(edges)
+
+
 TOKEN_KNOTS: tuple[int, ...] = tuple(sorted({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 16, 17, 24, 32, 64, 128, 256}
                                             | set(PASS_EDGES)))
 SAMPLE_KNOTS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)

@@ -106,6 +106,11 @@ GRID_SPECS: dict[str, GridSpec] = {
 }
 
 
+def edge_prompts(spec: GridSpec) -> list[Shape]:
+    """A whole prompt at each of ``spec.edge_chunks``: the shapes that pin the pass-edge knots."""
+    return [Shape("prefill", chunks=((n, 0, True),)) for n in spec.edge_chunks]
+
+
 def build_grid(spec: GridSpec) -> list[Shape]:
     shapes: list[Shape] = []
     for b, c in itertools.product(spec.decode_batches, spec.decode_contexts):
@@ -114,9 +119,7 @@ def build_grid(spec: GridSpec) -> list[Shape]:
         # a chunk that starts a prompt past 0 is a continuation; half of them end the prompt
         samples = c == 0 or (n + c) % 2 == 0
         shapes.append(Shape("prefill", chunks=((n, c, samples),)))
-    for n in spec.edge_chunks:
-        if not (n in spec.prefill_chunks and 0 in spec.prefill_contexts):
-            shapes.append(Shape("prefill", chunks=((n, 0, True),)))
+    shapes += [s for s in edge_prompts(spec) if s not in shapes]  # (a grid chunk from 0 may be one)
     for k, n in spec.multi_prefill:
         shapes.append(Shape("prefill", chunks=((n, 0, True),) * k))
     rng = np.random.default_rng(spec.seed)
