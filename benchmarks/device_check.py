@@ -1,18 +1,23 @@
-"""The project end to end on a GPU: the seed experiment (real and simulated, with its quick
-calibration), the calibration's held-out fit error, and a quick validation, on cuda or mps.
+"""The project end to end on a GPU: the GPU's exactness tests (tests/test_on_gpu.py: the packed
+ragged forward against the unbatched reference, bf16 against fp32, the device timer), the seed
+experiment (real and simulated, with its quick calibration), the calibration's held-out fit error,
+a quick validation, and each call shape against the GPU's roofline, on cuda or mps.
 
     python benchmarks/device_check.py                           # the GPU this machine has (cuda, then mps)
     python benchmarks/device_check.py --device cpu --model tiny # the script itself, on any machine
 
 Without a GPU (and without ``--device cpu``) it says what is missing and exits 1: a GPU check
 that ran on the CPU would be a false result. Each step is the app a user runs, in its own
-process; the output lands in ``--out`` (default outputs/device_check/<device>).
+process; the output lands in ``--out`` (default outputs/device_check/<device>). A failing step
+does not stop the later ones (one lease of a GPU should say everything that is wrong); the exit
+status is 1 if any failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -31,13 +36,15 @@ def gpu_here() -> str | None:
     return "mps" if mps is not None and mps.is_available() else None
 
 
-def run_app(app: str, *overrides: str) -> None:
-    """``python -m experiments.<app> overrides...`` with its output shown; a failure stops the check."""
-    cmd = [sys.executable, "-m", f"experiments.{app}", *overrides]
+def step(name: str, *args: str, env: dict[str, str] | None = None) -> bool:
+    """``python args...`` with its output shown; whether it succeeded."""
+    cmd = [sys.executable, *args]
     print(f"\n$ {' '.join(cmd[1:])}", flush=True)
     t0 = time.perf_counter()
-    subprocess.run(cmd, cwd=ROOT, check=True)
-    print(f"({app}: {time.perf_counter() - t0:.0f} s)", flush=True)
+    rc = subprocess.run(cmd, cwd=ROOT, env=None if env is None else {**os.environ, **env}).returncode
+    print(f"({name}: {time.perf_counter() - t0:.0f} s{'' if rc == 0 else f', FAILED with exit status {rc}'})",
+          flush=True)
+    return rc == 0
 
 
 def heldout_lines(profile: Path) -> list[str]:
@@ -58,6 +65,8 @@ def main() -> int:
     ap.add_argument("--model", default="qwen2_5_0_5b")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--roofline", action="store_true",
+                    help="also time each call shape against the device's roofline (benchmarks/roofline_calls.py)")
     args = ap.parse_args()
     device = args.device
     if device == "auto":
@@ -71,13 +80,24 @@ def main() -> int:
             return 1
     out = (args.out or ROOT / "outputs" / "device_check" / device).resolve()
     model = [f"model={args.model}", f"model.device={device}", f"model.dtype={args.dtype}"]
-    run_app("seed", *model, f"hydra.run.dir={out / 'seed'}")  # prints the seed table, real and simulated
+    failed = []
+    if device != "cpu" and not step("tests", "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                                    "tests/test_on_gpu.py", env={"MINISERVE_TEST_DEVICE": device}):
+        failed.append("tests")
+    # prints the seed table, real and simulated
+    if not step("seed", "-m", "experiments.seed", *model, f"hydra.run.dir={out / 'seed'}"):
+        failed.append("seed")
     profile = out / "seed" / "calibration" / "profile.json"
-    print("\n" + "\n".join(heldout_lines(profile)))
-    run_app("validate", *model, "+experiment=quick_validate", f"calibration.profile={profile}",
-            f"hydra.run.dir={out / 'validate'}")  # prints the validation table
-    print(f"\ndevice_check on {device}: done; outputs in {out}")
-    return 0
+    if profile.exists():
+        print("\n" + "\n".join(heldout_lines(profile)))
+        if not step("validate", "-m", "experiments.validate", *model, "+experiment=quick_validate",
+                    f"calibration.profile={profile}", f"hydra.run.dir={out / 'validate'}"):  # the validation table
+            failed.append("validate")
+    if args.roofline and not step("roofline", "benchmarks/roofline_calls.py", "--model", args.model,
+                                  "--pairs", "5", "--device", device):
+        failed.append("roofline")
+    print(f"\ndevice_check on {device}: {'FAILED: ' + ', '.join(failed) if failed else 'done'}; outputs in {out}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

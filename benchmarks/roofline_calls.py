@@ -49,7 +49,8 @@ SHAPES = {  # name: (prior context per request, tokens per request)
 }
 ISSUE_MACHINE = {"float32": Machine(21e9, 210e9), "bfloat16": Machine(21e9, 750e9)}  # issue #7's figures
 LINEAR_OPS = ("mkldnn::_linear_pointwise", "miniserve::gemv", "aten::addmm", "aten::mm")
-ATTENTION_OPS = ("miniserve::decode_attention",)  # and SDPA's ops, by name
+ATTENTION_OPS = ("miniserve::decode_attention",)  # and SDPA's ops, by name:
+ATTENTION_KEYS = ("scaled_dot_product", "flash_attention", "efficient_attention", "flash_attn")
 
 
 @dataclass
@@ -85,16 +86,20 @@ def time_pairs(runner: ModelRunner, plan: BatchPlan, reqs, memory: BandwidthProb
 
 def split_call(runner: ModelRunner, plan: BatchPlan, reqs) -> tuple[float, float, float]:
     """(linears, attention, total) seconds of one profiled call; the profiler's first call pays
-    for its own start, so the second of two is the one measured."""
+    for its own start, so the second of two is the one measured. On a GPU the parts are its kernels'
+    device time, each counted to the op that launched it."""
+    on_gpu = runner.device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
     for _ in range(2):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.profile(activities=activities) as prof:
             total = runner.execute(plan, reqs).duration_s
     linear = attention = 0.0
     for e in prof.key_averages():
+        own = (e.self_device_time_total if on_gpu else e.self_cpu_time_total) / 1e6
         if e.key in LINEAR_OPS:
-            linear += e.self_cpu_time_total / 1e6
-        elif e.key in ATTENTION_OPS or "scaled_dot_product" in e.key:
-            attention += e.self_cpu_time_total / 1e6
+            linear += own
+        elif e.key in ATTENTION_OPS or any(k in e.key for k in ATTENTION_KEYS):
+            attention += own
     return linear, attention, total
 
 
@@ -103,6 +108,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2_5_0_5b")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda or mps (model.device)")
     ap.add_argument("--pairs", type=int, default=15, help="(probe, call) pairs per shape")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names from: " + ", ".join(SHAPES))
     args = ap.parse_args()
@@ -110,11 +116,11 @@ def main() -> None:
         ap.error("--pairs must be at least 2 (the paired ratio has quartiles)")
     shapes = {n: SHAPES[n] for n in (s.strip() for s in args.shapes.split(",")) if n}
     torch.set_num_threads(args.threads)
-    print(f"threads={torch.get_num_threads()}; {args.pairs} (probe, call) pairs per shape")
+    print(f"device={args.device}, threads={torch.get_num_threads()}; {args.pairs} (probe, call) pairs per shape")
     worst: dict[str, float] = {}
     for d in args.dtypes.split(","):
         dtype = getattr(torch, d)
-        runner = ModelRunner(ModelConfig(name=args.model, dtype=d, num_threads=args.threads),
+        runner = ModelRunner(ModelConfig(name=args.model, dtype=d, num_threads=args.threads, device=args.device),
                              SchedulerConfig(max_num_seqs=32, max_model_len=1024))
         shape = ModelShape.of(runner.model)
         # the memory and the matmuls the calls use
@@ -129,7 +135,7 @@ def main() -> None:
               + ("n/a (not stamped)" if placed is None else
                  f"{placed:.1f} GB/s, a fresh buffer of theirs at {fresh_like_gb_s(weights, runner.device):.1f}"),
               flush=True)
-        issue = ISSUE_MACHINE.get(d)
+        issue = ISSUE_MACHINE.get(d) if runner.device.type == "cpu" else None  # a CPU's figures
         print(f"{d}: {'shape':12s} {'meas ms':>8s} {'probe GB/s':>11s} {'GFLOP/s':>8s} {'roof ms':>8s} {'bound':>7s} "
               f"{'paired [p25-p75]':>18s} {'best':>5s}" + (f" {'issue roof':>10s} {'meas/issue':>10s}" if issue else ""),
               flush=True)

@@ -9,12 +9,18 @@ import pytest
 # use): on a machine with a GPU, ``model.device=auto`` would take it, here and in the apps the
 # tests start. CUDA reads this when it first initialises, so it holds for both; MPS has no such
 # switch, so the fixture below hides it in this process and the tests that start an app running
-# the model name model.device=cpu. benchmarks/device_check.py checks a GPU.
-os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# the model name model.device=cpu. On a GPU machine, ``MINISERVE_TEST_DEVICE=cuda|mps pytest
+# tests/test_on_gpu.py`` leaves the GPU visible for the tests that check it (benchmarks/device_check.py
+# runs them first).
+TEST_DEVICE = os.environ.get("MINISERVE_TEST_DEVICE", "cpu")
+if TEST_DEVICE != "cuda":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 @pytest.fixture(autouse=True)
 def _no_apple_gpu(monkeypatch):
+    if TEST_DEVICE == "mps":
+        return
     from engine.model import device
     monkeypatch.setattr(device, "_has_mps", lambda: False)
 

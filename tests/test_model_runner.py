@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
     """Plain transformers forward of one sequence (stock SDPA attention, no cache)."""
     with torch.no_grad():
-        return model(input_ids=torch.tensor([token_ids])).logits[0, -1].float()
+        return model(input_ids=torch.tensor([token_ids], device=model.device)).logits[0, -1].float()
 
 
 def sdpa_twin(model_config: ModelConfig):
