@@ -174,7 +174,7 @@ def main() -> None:
             print(f"{d}: {name:12s} {linear / total:8.0%} {attention / total:10.0%} {rest / total:6.0%}   "
                   f"{weight_bytes / linear / 1e9:5.1f} GB/s of weights, {linear_flops / linear / 1e9:5.0f} GFLOP/s",
                   flush=True)
-    print("\n" + " ".join(f"worst_meas_over_roofline_{k}={w:.2f}" for k, w in worst.items()))
+    print("\n" + " ".join(f"worst_meas_over_roofline_{k}={w:.3f}" for k, w in worst.items()))
 
 
 if __name__ == "__main__":
