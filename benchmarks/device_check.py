@@ -1,7 +1,7 @@
 """The project end to end on a GPU: the GPU's exactness tests (tests/test_on_gpu.py: the packed
 ragged forward against the unbatched reference, bf16 against fp32, the device timer), the seed
 experiment (real and simulated, with its quick calibration), the calibration's held-out fit error,
-a quick validation, and each call shape against the GPU's roofline, on cuda or mps.
+a quick validation, and with ``--roofline`` each call shape against the GPU's roofline, on cuda or mps.
 
     python benchmarks/device_check.py                           # the GPU this machine has (cuda, then mps)
     python benchmarks/device_check.py --device cpu --model tiny # the script itself, on any machine
@@ -84,15 +84,19 @@ def main() -> int:
     if device != "cpu" and not step("tests", "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                                     "tests/test_on_gpu.py", env={"MINISERVE_TEST_DEVICE": device}):
         failed.append("tests")
+    profile = out / "seed" / "calibration" / "profile.json"
+    profile.unlink(missing_ok=True)  # an earlier check's profile must not stand in for this one's
     # prints the seed table, real and simulated
     if not step("seed", "-m", "experiments.seed", *model, f"hydra.run.dir={out / 'seed'}"):
         failed.append("seed")
-    profile = out / "seed" / "calibration" / "profile.json"
     if profile.exists():
         print("\n" + "\n".join(heldout_lines(profile)))
         if not step("validate", "-m", "experiments.validate", *model, "+experiment=quick_validate",
                     f"calibration.profile={profile}", f"hydra.run.dir={out / 'validate'}"):  # the validation table
             failed.append("validate")
+    else:
+        print(f"\nno calibration profile at {profile}: validate not run")
+        failed.append("validate (no profile)")
     if args.roofline and not step("roofline", "benchmarks/roofline_calls.py", "--model", args.model,
                                   "--pairs", "5", "--device", device):
         failed.append("roofline")

@@ -30,8 +30,13 @@ import argparse
 import statistics
 from dataclasses import dataclass
 
+import sys
+from pathlib import Path
+
 import torch
 from calls import shape_plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from calibration.roofline import (BandwidthProbe, Machine, ModelShape, MatmulProbe, call_work, fresh_like_gb_s,
                                   roofline_s, tensors_read_gb_s)
@@ -49,8 +54,8 @@ SHAPES = {  # name: (prior context per request, tokens per request)
 }
 ISSUE_MACHINE = {"float32": Machine(21e9, 210e9), "bfloat16": Machine(21e9, 750e9)}  # issue #7's figures
 LINEAR_OPS = ("mkldnn::_linear_pointwise", "miniserve::gemv", "aten::addmm", "aten::mm")
-ATTENTION_OPS = ("miniserve::decode_attention",)  # and SDPA's ops, by name:
-ATTENTION_KEYS = ("scaled_dot_product", "flash_attention", "efficient_attention", "flash_attn")
+ATTENTION_OPS = ("miniserve::decode_attention",)  # and SDPA's ops, by name
+CUDA_ATTENTION_OPS = ("aten::scaled_dot_product_attention",)  # and flash-attn's, where installed
 
 
 @dataclass
@@ -86,20 +91,25 @@ def time_pairs(runner: ModelRunner, plan: BatchPlan, reqs, memory: BandwidthProb
 
 def split_call(runner: ModelRunner, plan: BatchPlan, reqs) -> tuple[float, float, float]:
     """(linears, attention, total) seconds of one profiled call; the profiler's first call pays
-    for its own start, so the second of two is the one measured. On a GPU the parts are its kernels'
-    device time, each counted to the op that launched it."""
-    on_gpu = runner.device.type == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
+    for its own start, so the second of two is the one measured. On CUDA the parts are kernels'
+    device time: a linear's own (its GEMM), attention's inclusive (SDPA's math fallback runs its
+    kernels under child ops)."""
+    on_cuda = runner.device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_cuda else [])
     for _ in range(2):
         with torch.profiler.profile(activities=activities) as prof:
             total = runner.execute(plan, reqs).duration_s
     linear = attention = 0.0
     for e in prof.key_averages():
-        own = (e.self_device_time_total if on_gpu else e.self_cpu_time_total) / 1e6
-        if e.key in LINEAR_OPS:
-            linear += own
-        elif e.key in ATTENTION_OPS or any(k in e.key for k in ATTENTION_KEYS):
-            attention += own
+        if on_cuda:
+            if e.key in LINEAR_OPS:
+                linear += e.self_device_time_total / 1e6
+            elif e.key in CUDA_ATTENTION_OPS or e.key.startswith("flash_attn"):
+                attention += e.device_time_total / 1e6
+        elif e.key in LINEAR_OPS:
+            linear += e.self_cpu_time_total / 1e6
+        elif e.key in ATTENTION_OPS or "scaled_dot_product" in e.key:
+            attention += e.self_cpu_time_total / 1e6
     return linear, attention, total
 
 
@@ -161,10 +171,13 @@ def main() -> None:
                 worst[f"issue_{d}"] = max(worst.get(f"issue_{d}", 0.0), t / roofline_s(plan, shape, issue))
                 row += f" {1e3 * roofline_s(plan, shape, issue):10.1f} {t / roofline_s(plan, shape, issue):10.2f}"
             print(row, flush=True)
-            splits[name] = (plan, split_call(runner, plan, reqs))
+            if runner.device.type in ("cpu", "cuda"):  # MPS: the profiler's regions are logical
+                splits[name] = (plan, split_call(runner, plan, reqs))
             runner.free(plan.request_ids)
         probe.close()
         del runner
+        if not splits:
+            continue
         print(f"\n{d}: where a call's time goes (one profiled call; the profiler adds a little to 'rest')")
         print(f"{d}: {'shape':12s} {'linears':>8s} {'attention':>10s} {'rest':>6s}   linears' own rate")
         for name, (plan, (linear, attention, total)) in splits.items():
@@ -172,7 +185,8 @@ def main() -> None:
             linear_flops = 2 * shape.dense_params * plan.total_tokens + 2 * shape.lm_head_params * plan.num_samples
             rest = max(0.0, total - linear - attention)
             print(f"{d}: {name:12s} {linear / total:8.0%} {attention / total:10.0%} {rest / total:6.0%}   "
-                  f"{weight_bytes / linear / 1e9:5.1f} GB/s of weights, {linear_flops / linear / 1e9:5.0f} GFLOP/s",
+                  (f"{weight_bytes / linear / 1e9:5.1f} GB/s of weights, {linear_flops / linear / 1e9:5.0f} GFLOP/s"
+                   if linear > 0 else "n/a (no linear op timed)"),
                   flush=True)
     print("\n" + " ".join(f"worst_meas_over_roofline_{k}={w:.3f}" for k, w in worst.items()))
 

@@ -17,6 +17,17 @@ if TEST_DEVICE != "cuda":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+def pytest_collection_modifyitems(config, items):
+    """With a GPU visible, only the GPU's own tests run: the rest check the CPU path, and
+    ``model.device=auto`` would put them on the GPU."""
+    if TEST_DEVICE == "cpu":
+        return
+    why = pytest.mark.skip(reason=f"MINISERVE_TEST_DEVICE={TEST_DEVICE} runs tests/test_on_gpu.py alone")
+    for item in items:
+        if item.path.name != "test_on_gpu.py":
+            item.add_marker(why)
+
+
 @pytest.fixture(autouse=True)
 def _no_apple_gpu(monkeypatch):
     if TEST_DEVICE == "mps":
