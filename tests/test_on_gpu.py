@@ -6,21 +6,18 @@ benchmarks/device_check.py runs them before its end-to-end check. Elsewhere they
 the CPU suite checks the same generic path by forcing it (tests/test_device.py).
 """
 
-import os
 import time
 
 import pytest
 import torch
 
 from engine.core.config import ModelConfig, SchedulerConfig
-from engine.core.scheduler import make_scheduler
-from engine.core.state import ServingState
 from engine.model.device import DeviceTimer, synchronize
 from engine.model.runner import ModelRunner
 
-from tests.test_model_runner import mixed_requests, reference_logits, run_and_compare, sdpa_twin
+from tests.conftest import TEST_DEVICE  # the one switch: conftest leaves that GPU visible
+from tests.test_model_runner import mixed_requests, run_and_compare, run_bf16_against_fp32, sdpa_twin
 
-TEST_DEVICE = os.environ.get("MINISERVE_TEST_DEVICE", "cpu")  # tests/conftest.py leaves that GPU visible
 pytestmark = pytest.mark.skipif(
     TEST_DEVICE not in ("cuda", "mps"),
     reason="GPU checks: run MINISERVE_TEST_DEVICE=cuda|mps pytest tests/test_on_gpu.py on a GPU machine")
@@ -67,28 +64,12 @@ def test_serial_and_static_plans_match_the_reference_on_gpu(name):
 def test_bf16_on_gpu_conserves_tokens_and_stays_close_to_fp32():
     """bf16 operands: within bf16's rounding of the same weights computed in fp32 (relative L2
     error), every request gets exactly its max_tokens."""
-    runner = ModelRunner(ModelConfig(name="tiny", device=TEST_DEVICE, dtype="bfloat16"), CONTINUOUS)
+    model_config = ModelConfig(name="tiny", device=TEST_DEVICE, dtype="bfloat16")
+    runner = ModelRunner(model_config, CONTINUOUS)
     assert runner.model.dtype == torch.bfloat16 and runner.cache.keys[0].dtype == torch.bfloat16
-    # the same (bf16-drawn) weights, computed in fp32: a bf16 and an fp32 draw of the seeded weights
-    # need not be the same model (torch's bf16 normal_ has drawn its own numbers)
-    ref = sdpa_twin(ModelConfig(name="tiny", device=TEST_DEVICE, dtype="bfloat16")).float()
-    state, scheduler, worst = ServingState(CONTINUOUS), make_scheduler(CONTINUOUS), 0.0
-    for r in mixed_requests(512):
-        state.add(r)
-    while state.has_unfinished:
-        plan = scheduler.schedule(state)
-        result, logits = runner.execute(plan, state.requests, return_logits=True)
-        assert torch.isfinite(logits).all() and len(result.token_ids) == plan.num_samples
-        k = 0
-        for rid, n, ctx, sampled in zip(plan.request_ids, plan.num_tokens, plan.context_lens, plan.samples):
-            if sampled:
-                expected = reference_logits(ref, state.requests[rid].token_ids(0, ctx + n))
-                worst = max(worst, ((logits[k].float() - expected).norm() / expected.norm()).item())
-                k += 1
-        runner.free(r.request_id for r in state.apply(plan, result.token_ids, 0.0, 0.0))
+    worst = run_bf16_against_fp32(runner, model_config, CONTINUOUS, mixed_requests(512))
     print(f"{TEST_DEVICE} bf16: worst relative L2 error against fp32 {worst:.2e}")
     assert worst <= 3e-2
-    assert sum(r.num_output_tokens for r in state.finished) == sum(r.max_tokens for r in mixed_requests(512))
 
 
 def test_timer_reads_the_device_clock_not_the_launch():
