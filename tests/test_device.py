@@ -15,7 +15,7 @@ from engine.model import device as dev
 from engine.model import kernels
 from engine.model.kernels.features import detected
 from engine.model.runner import ModelRunner, _torch_greedy
-from tests.test_model_runner import mixed_requests, run_and_compare, sdpa_twin
+from tests.test_model_runner import drive, mixed_requests, run_and_compare, sdpa_twin
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
 NO_MPS = pytest.mark.skipif(dev._has_mps(), reason="this machine has an Apple GPU")
@@ -149,6 +149,18 @@ def test_the_generic_path_equals_the_unbatched_reference_fp32(attention, monkeyp
     assert not any(runner.kernels_used().values())
     _, worst, phases = run_and_compare(runner, sdpa_twin(model_config), config, mixed_requests(512), atol=1e-5)
     assert "mixed" in phases
+
+
+def test_a_forward_that_bypasses_the_kv_slots_is_an_error_not_wrong_logits():
+    """Were the stock forward handed the slots under a name it does not take (transformers renamed
+    past_key_values to cache), it would attend over each step's own keys: that must raise."""
+    config = SchedulerConfig(name="serial", max_num_seqs=2)
+    runner = ModelRunner(ModelConfig(name="tiny", device="cpu"), config, generic=True)
+    assert runner._cache_arg in ("cache", "past_key_values")
+    runner._cache_arg = "kv_cache_under_another_name"
+    layers = len(runner.cache.keys)
+    with pytest.raises(RuntimeError, match=f"wrote 0 of {layers} layers' keys through the engine's KV cache"):
+        drive(runner, config, mixed_requests(512)[:1], lambda *row: None)
 
 
 def test_profile_from_another_device_is_warned_about_and_another_model_refused(tmp_path, caplog):

@@ -10,6 +10,7 @@ synchronised timer (engine/model/device.py).
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Iterable, Mapping
 from itertools import groupby
@@ -66,6 +67,9 @@ class ModelRunner:
         self.attention_kernel, self.kernel_phases = ((None, frozenset()) if self.generic
                                                      else dispatch.attention_kernel(self.model.dtype, head_dim))
         self.greedy = (None if self.generic else kernels.argmax_rows(self.model.dtype)) or _torch_greedy
+        # the stock forward takes the KV slots as `cache` (later transformers 5.x) or `past_key_values`
+        # (5.17 and earlier): under the other name it would attend over this step's keys alone
+        self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.timer = DeviceTimer(self.device)
         self._free_slots = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
@@ -189,14 +193,16 @@ class ModelRunner:
             if self._lean is not None:
                 logits = self._lean(input_ids, batch.positions, batch, self.cache, rows)
             else:
+                self.cache.writes = 0
                 logits = self.model(
                     input_ids=input_ids,
                     position_ids=batch.positions[None],
                     attention_mask={"full_attention": batch, "sliding_attention": batch},
-                    cache=self.cache,
                     use_cache=False,
                     logits_to_keep=0 if rows is None else rows,  # 0: every row
+                    **{self._cache_arg: self.cache},
                 ).logits[0]
+                self.cache.check_written()
             if plan.kv_saves:
                 self._copy_prefixes(plan, saves=True)
             if needs_sampler(sampled):
