@@ -185,7 +185,7 @@ def main() -> None:
             linear_flops = 2 * shape.dense_params * plan.total_tokens + 2 * shape.lm_head_params * plan.num_samples
             rest = max(0.0, total - linear - attention)
             print(f"{d}: {name:12s} {linear / total:8.0%} {attention / total:10.0%} {rest / total:6.0%}   "
-                  (f"{weight_bytes / linear / 1e9:5.1f} GB/s of weights, {linear_flops / linear / 1e9:5.0f} GFLOP/s"
+                  + (f"{weight_bytes / linear / 1e9:5.1f} GB/s of weights, {linear_flops / linear / 1e9:5.0f} GFLOP/s"
                    if linear > 0 else "n/a (no linear op timed)"),
                   flush=True)
     print("\n" + " ".join(f"worst_meas_over_roofline_{k}={w:.3f}" for k, w in worst.items()))
