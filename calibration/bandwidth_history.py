@@ -5,8 +5,10 @@ minutes of the machine (calibration.noise.RunNoise draws a replicate's run-wide 
 A shared host's memory speed drifts with its other tenants over hours (36–76 GB/s here against a
 calibration's 40–44), so the bands need a history longer than any one calibration. The file lives
 under ``~/.cache/miniserve/`` (``MINISERVE_BANDWIDTH_HISTORY_DIR`` moves it), named by a hash of
-what the stamps depend on (CPU model, host, CPU count, threads), like the kernels' dispatch table;
-a file whose key differs is another machine's and is ignored. Its callers (calibrate, validate)
+what the stamps depend on (CPU model, host, CPU count, threads, and the model: a run's calls are
+priced into a bandwidth through its own model, and a tiny model's calls are overhead, reading as
+~5 GB/s on a 40 GB/s machine), like the kernels' dispatch table; a file whose key differs is
+another machine's or model's and is ignored. Its callers (calibrate, validate)
 run the engine, so the CPU's name comes from the engine's own reader (kernels.features.cpu_model)."""
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ from pathlib import Path
 
 from engine.model.kernels.features import cpu_model
 
-VERSION = 1
+VERSION = 2  # 2: keyed by model too (version 1 files mixed a tiny model's runs in)
 KEEP = 2000  # newest entries kept: months of calibrations and validations
 
 
-def machine_key(threads: int) -> dict:
-    """What a stamp is comparable across: the same CPU, host and thread count."""
+def machine_key(threads: int, model: str) -> dict:
+    """What a stamp is comparable across: the same CPU, host and thread count, and the same model
+    (its config fingerprint, engine.model.loader.config_fingerprint)."""
     return {"version": VERSION, "cpu": cpu_model(), "host": platform.node(), "cpus": os.cpu_count(),
-            "threads": int(threads)}
+            "threads": int(threads), "model": model}
 
 
 def history_path(key: dict) -> Path:
@@ -45,9 +48,10 @@ class Entry:
     source: str  # "calibration stamp", "validate calls", ...
 
 
-def load(threads: int) -> list[Entry]:
-    """This machine's entries, oldest first; none for a missing, unreadable or other machine's file."""
-    key = machine_key(threads)
+def load(threads: int, model: str) -> list[Entry]:
+    """This machine's entries for this model, oldest first; none for a missing, unreadable or other
+    machine's or model's file."""
+    key = machine_key(threads, model)
     try:
         data = json.loads(history_path(key).read_text())
     except (OSError, ValueError):
@@ -57,12 +61,12 @@ def load(threads: int) -> list[Entry]:
     return [Entry(**e) for e in data.get("entries", ())]
 
 
-def record(threads: int, gb_s: Iterable[float], source: str) -> Path:
+def record(threads: int, model: str, gb_s: Iterable[float], source: str) -> Path:
     """Append measurements (atomically: a concurrent reader sees the old file or the new one)."""
-    key = machine_key(threads)
+    key = machine_key(threads, model)
     path = history_path(key)
     now = time.time()
-    entries = load(threads) + [Entry(now, float(x), source) for x in gb_s if x and x > 0]
+    entries = load(threads, model) + [Entry(now, float(x), source) for x in gb_s if x and x > 0]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"key": key, "entries": [vars(e) for e in entries[-KEEP:]]}))
@@ -70,12 +74,12 @@ def record(threads: int, gb_s: Iterable[float], source: str) -> Path:
     return path
 
 
-def profile_history(threads: int, own: list[float], source: str = "calibration stamp") -> dict:
+def profile_history(threads: int, model: str, own: list[float], source: str = "calibration stamp") -> dict:
     """The profile's ``noise`` entries for the history: this machine's file so far plus ``own``
     (this calibration's stamps), which are then recorded in the file for later profiles."""
-    past = [e.gb_s for e in load(threads)]
+    past = [e.gb_s for e in load(threads, model)]
     own = [float(x) for x in own if x and x > 0]
-    path = record(threads, own, source)
+    path = record(threads, model, own, source)
     return {"memory_gb_s_history": [round(x, 2) for x in past + own],
             "memory_gb_s_history_source": f"{len(own)} calibration stamps + {len(past)} from this machine's history "
                                           f"({path.name})"}

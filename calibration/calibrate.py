@@ -317,7 +317,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
                                  plan.repeats + [0] * len(engine_calls), [m.contended for m in measurements],
                                  mlog.order),
                   # the slow component a replicate draws (calibration.noise.RunNoise)
-                  **profile_history(model_config.num_threads, calibration_stamps({"memory_read_gb_s": memory_stamps}))},
+                  **profile_history(model_config.num_threads, config_fingerprint(model_config), calibration_stamps({"memory_read_gb_s": memory_stamps}))},
         "measurements": [{"shape": m.shape.name, "kind": m.shape.kind, "tokens": m.plan.total_tokens,
                           "requests": m.plan.num_requests, "samples": m.plan.num_samples,
                           "plan": plan_record(m.plan),

@@ -135,16 +135,20 @@ def test_a_real_runs_call_bandwidth_comes_from_its_recorded_steps():
     assert run_calls_gb_s(None, {"steps": steps}) is None
 
 
-def test_the_machine_history_keeps_its_entries_and_ignores_another_machines(tmp_path, monkeypatch):
+def test_the_machine_history_keeps_its_entries_and_ignores_another_machines_and_models(tmp_path, monkeypatch):
     monkeypatch.setenv("MINISERVE_BANDWIDTH_HISTORY_DIR", str(tmp_path))
-    assert bandwidth_history.load(2) == []
-    path = bandwidth_history.record(2, [40.0, 0.0, 44.0], "calibration stamp")  # a zero is no stamp
-    assert [e.gb_s for e in bandwidth_history.load(2)] == [40.0, 44.0]
-    assert bandwidth_history.load(4) == []  # another thread count is another machine
-    out = bandwidth_history.profile_history(2, [50.0])
+    m = "qwen2_5_0_5b-fingerprint"
+    assert bandwidth_history.load(2, m) == []
+    path = bandwidth_history.record(2, m, [40.0, 0.0, 44.0], "calibration stamp")  # a zero is no stamp
+    assert [e.gb_s for e in bandwidth_history.load(2, m)] == [40.0, 44.0]
+    assert bandwidth_history.load(4, m) == []  # another thread count is another machine
+    # a tiny model's calls price as a few GB/s (they are overhead): its runs never join the 0.5B's
+    bandwidth_history.record(2, "tiny-fingerprint", [5.0], "validate run")
+    assert [e.gb_s for e in bandwidth_history.load(2, m)] == [40.0, 44.0]
+    out = bandwidth_history.profile_history(2, m, [50.0])
     assert out["memory_gb_s_history"] == [40.0, 44.0, 50.0] and "2 from this machine's history" in \
         out["memory_gb_s_history_source"]
-    assert [e.gb_s for e in bandwidth_history.load(2)] == [40.0, 44.0, 50.0]
+    assert [e.gb_s for e in bandwidth_history.load(2, m)] == [40.0, 44.0, 50.0]
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "key": {**data["key"], "cpu": "another"}}))
-    assert bandwidth_history.load(2) == []
+    assert bandwidth_history.load(2, m) == []
