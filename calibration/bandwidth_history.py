@@ -5,7 +5,7 @@ minutes of the machine (calibration.noise.RunNoise draws a replicate's run-wide 
 A shared host's memory speed drifts with its other tenants over hours (36–76 GB/s here against a
 calibration's 40–44), so the bands need a history longer than any one calibration. The file lives
 under ``~/.cache/miniserve/`` (``MINISERVE_BANDWIDTH_HISTORY_DIR`` moves it), named by a hash of
-what the stamps depend on (CPU model, host, CPU count, threads, and the model: a run's calls are
+what the stamps depend on (CPU model, host, CPU count, threads, and the model with its dtype: a run's calls are
 priced into a bandwidth through its own model, and a tiny model's calls are overhead, reading as
 ~5 GB/s on a 40 GB/s machine), like the kernels' dispatch table; a file whose key differs is
 another machine's or model's and is ignored. Its callers (calibrate, validate)
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from engine.model.kernels.features import cpu_model
 
-VERSION = 2  # 2: keyed by model too (version 1 files mixed a tiny model's runs in)
+VERSION = 2  # 2: keyed by model too (version 1 files, which mixed a tiny model's runs in, are ignored)
 KEEP = 2000  # newest entries kept: months of calibrations and validations
 
 

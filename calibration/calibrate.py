@@ -284,6 +284,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
             physical_predicted[heldout], np.asarray([m.median_s for m in timed])[heldout]).to_dict()
     wall = time.perf_counter() - t0
 
+    fingerprint = config_fingerprint(model_config)
     info = {
         "model": {"name": model_config.name, "path": model_config.path, "dtype": model_config.dtype,
                   "attention": model_config.attention, "shape": mshape.to_dict()},
@@ -317,7 +318,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
                                  plan.repeats + [0] * len(engine_calls), [m.contended for m in measurements],
                                  mlog.order),
                   # the slow component a replicate draws (calibration.noise.RunNoise)
-                  **profile_history(model_config.num_threads, config_fingerprint(model_config), calibration_stamps({"memory_read_gb_s": memory_stamps}))},
+                  **profile_history(model_config.num_threads, fingerprint, calibration_stamps({"memory_read_gb_s": memory_stamps}))},
         "measurements": [{"shape": m.shape.name, "kind": m.shape.kind, "tokens": m.plan.total_tokens,
                           "requests": m.plan.num_requests, "samples": m.plan.num_samples,
                           "plan": plan_record(m.plan),
@@ -330,7 +331,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
                          for m, p, q, b, h in zip(measurements, predicted, physical_predicted, baseline, heldout)],
     }
     model = CostModel(tuple(float(c) for c in coef), overhead.median_s, FEATURES,
-                      config_fingerprint(model_config), info, copy.s_per_token)
+                      fingerprint, info, copy.s_per_token)
     return Calibration(model, measurements, heldout, predicted, baseline, wall)
 
 

@@ -74,7 +74,6 @@ from engine.core.plan import BatchPlan
 from engine.core.request import Request
 from engine.observe.trace import parse_label, summarize_calls
 from engine.observe.workload import WorkloadConfig, generate, make_requests
-from engine.model.loader import config_fingerprint
 from experiments.fresh_process import in_fresh_process
 from experiments.report_table import format_table
 from experiments.schema import register, to_object
@@ -533,6 +532,8 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
         r["calls_gb_s"] = run_calls_gb_s(physical, r)
         r["placed_gb_s"] = placed_gb_s(cost, r)
     if not app.real_runs:  # fresh runs join this machine's history, for later calibrations' profiles
+        from engine.model.loader import config_fingerprint  # here: this process runs no model itself
+
         threads = app.model.num_threads or cost.info.get("measured_on", {}).get("threads") or os.cpu_count()
         bandwidth_history.record(threads, config_fingerprint(app.model), [run_gb_s(r) for r in runs],
                                  "validate run")

@@ -22,7 +22,7 @@ def test_each_benchmark_compiles_without_warnings(path):
 
 def test_roofline_calls_runs_and_prints_its_split_and_worst_ratios():
     proc = subprocess.run([sys.executable, "benchmarks/roofline_calls.py", "--model", "tiny", "--pairs", "2",
-                           "--dtypes", "float32", "--shapes", "decode B=1,prefill 128"],
+                           "--dtypes", "float32", "--device", "cpu", "--shapes", "decode B=1,prefill 128"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "float32: where a call's time goes" in proc.stdout
