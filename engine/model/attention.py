@@ -172,20 +172,24 @@ class SlotKVCache:
             store = torch.zeros(shape, dtype=dtype, device=device)
         self.keys, self.values = list(store[0]), list(store[1])
         self.batch: RaggedBatch | None = None
-        self.writes = 0  # layers that wrote through update() in this step (the stock forward's path)
+        self._written: set[int] = set()  # layers that wrote through update() in this step (the stock forward's)
+
+    def start_step(self, batch: RaggedBatch) -> None:
+        self.batch = batch
+        self._written.clear()
 
     def check_written(self) -> None:
         """A stock forward that bypassed update() attended over its own keys alone: wrong logits
         with no error, so it is one."""
-        if self.writes != len(self.keys):
+        if len(self._written) != len(self.keys):
             raise RuntimeError(
-                f"the model's forward wrote {self.writes} of {len(self.keys)} layers' keys through the engine's "
+                f"the model's forward wrote {len(self._written)} of {len(self.keys)} layers' keys through the engine's "
                 f"KV cache: transformers {transformers.__version__} passes the cache under a name this runner "
                 "does not give it (engine/model/runner.py, _cache_arg)")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         b = self.batch
-        self.writes += 1
+        self._written.add(layer_idx)
         k_store, v_store = self.keys[layer_idx], self.values[layer_idx]
         k_store[b.write_slots, :, b.write_positions] = key_states[0].transpose(0, 1)
         v_store[b.write_slots, :, b.write_positions] = value_states[0].transpose(0, 1)

@@ -181,7 +181,7 @@ class ModelRunner:
         batch = RaggedBatch.build(slots, list(plan.num_tokens), list(plan.context_lens),
                                   self.model_config.attention, self.attention_kernel, self.kernel_phases,
                                   device=self.device if self.generic else None)
-        self.cache.batch = batch
+        self.cache.start_step(batch)
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         # every row sampled (a decodes-only step): no gather of the last hidden states
         rows = (None if len(sample_rows) == len(token_ids)
@@ -193,7 +193,6 @@ class ModelRunner:
             if self._lean is not None:
                 logits = self._lean(input_ids, batch.positions, batch, self.cache, rows)
             else:
-                self.cache.writes = 0
                 logits = self.model(
                     input_ids=input_ids,
                     position_ids=batch.positions[None],
