@@ -75,12 +75,11 @@ def run_and_compare(runner: ModelRunner, ref, config: SchedulerConfig, requests:
     return steps, worst, phases
 
 
-def run_bf16_against_fp32(runner: ModelRunner, model_config: ModelConfig, config: SchedulerConfig,
-                          requests: list[Request]) -> float:
+def run_bf16_against_fp32(runner: ModelRunner, config: SchedulerConfig, requests: list[Request]) -> float:
     """The worst relative L2 error of bf16 logits against the same (bf16-drawn) weights computed in
     fp32, and every request served exactly its max_tokens. A bf16 and an fp32 draw of the seeded
     weights need not be one model: torch's bf16 normal_ draws its own numbers."""
-    ref = sdpa_twin(model_config).float()
+    ref = sdpa_twin(runner.model_config).float()
     worst = 0.0
 
     def close(tokens: list[int], row: torch.Tensor, _: int) -> None:
@@ -141,10 +140,9 @@ def test_serial_and_static_plans_run_through_the_same_runner(name):
 def test_bf16_runs_and_stays_close_to_fp32_reference():
     config = SchedulerConfig(name="continuous", max_num_seqs=4, max_num_batched_tokens=16,
                              long_prefill_token_threshold=6)
-    model_config = ModelConfig(name="tiny", dtype="bfloat16")
-    runner = ModelRunner(model_config, config)
+    runner = ModelRunner(ModelConfig(name="tiny", dtype="bfloat16"), config)
     assert runner.model.dtype == torch.bfloat16 and runner.cache.keys[0].dtype == torch.bfloat16
-    worst = run_bf16_against_fp32(runner, model_config, config, mixed_requests(512))
+    worst = run_bf16_against_fp32(runner, config, mixed_requests(512))
     assert worst <= 3e-2, worst
 
 

@@ -64,10 +64,9 @@ def test_serial_and_static_plans_match_the_reference_on_gpu(name):
 def test_bf16_on_gpu_conserves_tokens_and_stays_close_to_fp32():
     """bf16 operands: within bf16's rounding of the same weights computed in fp32 (relative L2
     error), every request gets exactly its max_tokens."""
-    model_config = ModelConfig(name="tiny", device=TEST_DEVICE, dtype="bfloat16")
-    runner = ModelRunner(model_config, CONTINUOUS)
+    runner = ModelRunner(ModelConfig(name="tiny", device=TEST_DEVICE, dtype="bfloat16"), CONTINUOUS)
     assert runner.model.dtype == torch.bfloat16 and runner.cache.keys[0].dtype == torch.bfloat16
-    worst = run_bf16_against_fp32(runner, model_config, CONTINUOUS, mixed_requests(512))
+    worst = run_bf16_against_fp32(runner, CONTINUOUS, mixed_requests(512))
     print(f"{TEST_DEVICE} bf16: worst relative L2 error against fp32 {worst:.2e}")
     assert worst <= 3e-2
 
