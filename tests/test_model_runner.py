@@ -1,8 +1,10 @@
 """The packed ragged forward is exact: per-request logits equal an unbatched reference forward."""
 
+import gc
 import os
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -251,6 +253,22 @@ def test_qwen3_head_dim_without_a_decode_kernel_stays_exact(tmp_path):
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_model(ModelConfig(name="local", path=str(tmp_path)))
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["cpu-path", "generic-path"])
+def test_runner_freezes_its_startup_objects_and_a_replaced_runner_frees_its_weights(generic):
+    """A serving loop's full collections must not re-walk the model and the libraries
+    (engine.model.runner.freeze_startup_objects); the freeze must not keep a dropped runner's
+    weights alive (a reference cycle through them would)."""
+    runner = ModelRunner(ModelConfig(name="tiny", dtype="float32"), SchedulerConfig(max_num_seqs=2),
+                         generic=generic)
+    weight = next(runner.model.parameters())
+    scanned = {id(o) for o in gc.get_objects()}
+    assert id(runner.model) not in scanned and id(weight) not in scanned
+    assert gc.get_freeze_count() > 0
+    dropped = weakref.ref(weight)
+    del weight, runner
+    assert dropped() is None  # freed by its last reference, with no collection
 
 
 def test_slots_are_reused_after_free_and_resume_needs_a_slot():

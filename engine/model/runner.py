@@ -10,6 +10,7 @@ synchronised timer (engine/model/device.py).
 
 from __future__ import annotations
 
+import gc
 import inspect
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -33,6 +34,19 @@ from engine.core.request import Request
 
 def _torch_greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().argmax(dim=-1)  # bf16 argmax is slower than convert + argmax (docs/architecture.md)
+
+
+def freeze_startup_objects() -> None:
+    """Take what exists once a model is loaded (the model, torch and transformers' own objects:
+    hundreds of thousands) out of the garbage collector's scans, as vLLM does after start-up.
+    Every full collection re-walked all of them; where a call is bound by the Python that
+    launches its kernels (a GPU), that tripled the engine's calls against the same calls timed
+    back to back, and the simulator priced from the latter was that much too fast (figures in
+    docs/architecture.md, benchmarks/call_in_loop.py). Frozen objects are still freed when their
+    last reference goes (a replaced runner's weights are: tests/test_model_runner.py); only
+    garbage in a reference cycle among them would stay."""
+    gc.collect()
+    gc.freeze()
 
 
 class ModelRunner:
@@ -77,6 +91,7 @@ class ModelRunner:
         self.prefix_store: PrefixKVStore | None = None  # cached prefix blocks' KV (prefix caching)
         if scheduler_config.enable_prefix_caching:
             self.prepare_prefix_store(scheduler_config.num_kv_blocks, scheduler_config.block_size)
+        freeze_startup_objects()
 
     @property
     def pass_rows(self) -> int | None:
