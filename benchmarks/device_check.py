@@ -1,7 +1,9 @@
 """The project end to end on a GPU: the GPU's exactness tests (tests/test_on_gpu.py: the packed
-ragged forward against the unbatched reference, bf16 against fp32, the device timer), the seed
-experiment (real and simulated, with its quick calibration), the calibration's held-out fit error,
-a quick validation, and with ``--roofline`` each call shape against the GPU's roofline, on cuda or mps.
+ragged forward against the unbatched reference, bf16 against fp32, the device timer), a decode
+call inside the engine's step loop against the same call back to back (benchmarks/call_in_loop.py),
+the seed experiment (real and simulated, with its quick calibration), the calibration's held-out
+fit error, a quick validation, and with ``--roofline`` each call shape against the GPU's roofline,
+on cuda or mps.
 
     python benchmarks/device_check.py                           # the GPU this machine has (cuda, then mps)
     python benchmarks/device_check.py --device cpu --model tiny # the script itself, on any machine
@@ -84,6 +86,11 @@ def main() -> int:
     if device != "cpu" and not step("tests", "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                                     "tests/test_on_gpu.py", env={"MINISERVE_TEST_DEVICE": device}):
         failed.append("tests")
+    # the engine's calls against the same calls back to back, as the calibration times them (and
+    # the collector's collections in each): a gap here is a gap between every real and simulated run
+    if not step("call in loop", "benchmarks/call_in_loop.py", "--model", args.model, "--device", device,
+                "--dtype", args.dtype):
+        failed.append("call in loop")
     profile = out / "seed" / "calibration" / "profile.json"
     profile.unlink(missing_ok=True)  # an earlier check's profile must not stand in for this one's
     # prints the seed table, real and simulated
