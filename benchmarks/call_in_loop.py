@@ -6,8 +6,9 @@ This serves B requests through the continuous engine, takes its decode-only call
 the same shape back to back on the same runner, with and without the garbage collector, and counts per
 call what each launched: device kernels, copies and synchronisations (a GPU whose calls are bound by
 the host's launches shows the difference there), or CPU operators. The engine is timed as it serves (the
-objects of start-up frozen out of the garbage collector's scans), with them thawed, and with the
-collector off (figures in docs/architecture.md).
+objects of start-up frozen out of the garbage collector's scans), under torch.profiler as the seed
+experiment serves its real rows, with the start-up objects thawed, and with the collector off
+(figures in docs/architecture.md).
 
     python benchmarks/call_in_loop.py --device cuda [--model qwen2_5_0_5b] [--batch 8]
     flock /tmp/miniserve-bench.lock python benchmarks/call_in_loop.py --device cpu --model tiny
@@ -120,6 +121,9 @@ def main() -> None:
     # the runner froze what start-up made (engine.model.runner.freeze_startup_objects): as served
     with collections() as loop_gc:
         loop_dev, loop_host = engine_calls(engine, args.batch, args.ctx, args.steps, seed=1)
+    # as experiments.seed serves its real rows: under the profiler, which books every operator
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        profiled_dev, profiled_host = engine_calls(engine, args.batch, args.ctx, args.steps, seed=6)
     gc.unfreeze()  # as before the freeze: every full collection walks the model and the libraries
     with collections() as thawed_gc:
         thawed_dev, thawed_host = engine_calls(engine, args.batch, args.ctx, args.steps, seed=2)
@@ -145,6 +149,7 @@ def main() -> None:
     for name, d, h, seen in (("grid (back to back)", grid_dev, grid_host, grid_gc),
                              ("grid, contexts differ", ragged_dev, ragged_host, None),
                              ("engine step loop", loop_dev, loop_host, loop_gc),
+                             ("engine, under torch.profiler", profiled_dev, profiled_host, None),
                              ("engine, start-up not frozen", thawed_dev, thawed_host, thawed_gc),
                              ("engine, collector off", nogc_dev, nogc_host, None)):
         made = "" if seen is None else "   " + " / ".join(f"{n} ({t * 1e3:.1f})" for n, t in seen)
