@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from engine.model import kernels as engine_kernels
 from engine.model.kernels import dispatch
 from engine.core.config import ModelConfig, SchedulerConfig
-from engine.model.loader import load_model
+from engine.model.loader import load_model, pack_linear_weights
 from engine.model.runner import ModelRunner
 from engine.core.plan import BatchPlan
 from engine.core.request import Request
@@ -255,11 +255,18 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
         load_model(ModelConfig(name="local", path=str(tmp_path)))
 
 
-@pytest.mark.parametrize("generic", [False, True], ids=["cpu-path", "generic-path"])
-def test_runner_freezes_its_startup_objects_and_a_replaced_runner_frees_its_weights(generic):
+@pytest.mark.parametrize("force", ["", "linear=torch", "linear=onednn", "generic"])
+def test_runner_freezes_its_startup_objects_and_a_replaced_runner_frees_its_weights(force, monkeypatch):
     """A serving loop's full collections must not re-walk the model and the libraries
-    (engine.model.runner.freeze_startup_objects); the freeze must not keep a dropped runner's
-    weights alive (a reference cycle through them would)."""
+    (engine.model.runner.freeze_startup_objects), and the freeze must not keep a dropped runner's
+    weights: a reference cycle through them is never collected once frozen. Every linear choice
+    (the lean path keeps a different projector for each) and the stock layers."""
+    generic = force == "generic"
+    if not generic:
+        monkeypatch.setenv(dispatch.FORCE_ENV, force)
+        forced = force.removeprefix("linear=")
+        if forced and forced not in dispatch.linear_candidates(torch.float32):
+            pytest.skip(f"no {forced} linear on this machine (as masked)")
     runner = ModelRunner(ModelConfig(name="tiny", dtype="float32"), SchedulerConfig(max_num_seqs=2),
                          generic=generic)
     weight = next(runner.model.parameters())
@@ -268,7 +275,24 @@ def test_runner_freezes_its_startup_objects_and_a_replaced_runner_frees_its_weig
     assert gc.get_freeze_count() > 0
     dropped = weakref.ref(weight)
     del weight, runner
-    assert dropped() is None  # freed by its last reference, with no collection
+    gc.collect()
+    assert dropped() is None
+
+
+def test_onednn_packed_linears_hold_no_reference_cycle():
+    """The stock layers on oneDNN's packed weights (a CPU model the lean path does not take):
+    each Linear's new forward must not refer back to it, or a frozen model would never be freed."""
+    if not dispatch.onednn_available(torch.float32):
+        pytest.skip("no oneDNN on this machine")
+    model, _ = load_model(ModelConfig(name="tiny", dtype="float32"))
+    assert pack_linear_weights(model) > 0
+    head = weakref.ref(model.lm_head)
+    gc.disable()  # freed by reference counts alone, as a frozen object must be
+    try:
+        del model
+        assert head() is None
+    finally:
+        gc.enable()
 
 
 def test_slots_are_reused_after_free_and_resume_needs_a_slot():

@@ -178,10 +178,12 @@ class LeanQwen2:
 
     def _gemv_projector(self):
         """Where the gemv runs every row count: ``_project`` without its per-call choice (a step
-        makes ~100 of them)."""
+        makes ~100 of them); else None. Never ``self._project`` itself: a bound method kept on self
+        is a reference cycle, which the collector no longer frees once the runner froze it
+        (engine.model.runner.freeze_startup_objects)."""
         gemv, tuning = self.gemv, self.gemv_tuning
         if gemv is None or set(self.choices) != {"gemv"}:
-            return self._project
+            return None
 
         def project(x: torch.Tensor, p: Projection) -> torch.Tensor:
             if x.shape[0] == 0:
@@ -198,7 +200,7 @@ class LeanQwen2:
         cos, sin = cos[0], sin[0]  # (T, D)
         t = h.shape[0]
         d = self.head_dim
-        project, ops = self._projector, self.ops
+        project, ops = self._projector or self._project, self.ops
         # the attention kernel, where it attends every token of the step: called straight, as
         # ragged_attention would call it (every packed token a row of its slot); a step whose phases
         # attend differently goes through ragged_attention

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import types
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
@@ -43,9 +42,14 @@ def pack_linear_weights(model: PreTrainedModel) -> int:
     every call. Each source weight is then released (``engine.model.weights``: shapes and counts
     stay), one layer at a time, except a tied lm_head's, which is the embedding the model still
     reads; returns the number of layers packed."""
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = dispatch.onednn_linear(x.reshape(-1, x.shape[-1]), self.packed_weight, self.bias)
-        return y.view(*x.shape[:-1], y.shape[-1])
+    def onednn_forward(packed: torch.Tensor, bias: torch.Tensor | None):
+        # a closure over the tensors, not a method bound to the Linear: that would be a reference
+        # cycle, never freed once the runner froze it (engine.model.runner.freeze_startup_objects)
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            y = dispatch.onednn_linear(x.reshape(-1, x.shape[-1]), packed, bias)
+            return y.view(*x.shape[:-1], y.shape[-1])
+
+        return forward
 
     if model.device.type != "cpu" or not dispatch.onednn_available(model.dtype):
         return 0  # oneDNN packing is a CPU path (bf16 only where oneDNN has it); elsewhere the stock linears run
@@ -53,7 +57,7 @@ def pack_linear_weights(model: PreTrainedModel) -> int:
     embeddings = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     for m in linears:
         m.packed_weight = dispatch.onednn_pack(m.weight)
-        m.forward = types.MethodType(forward, m)
+        m.forward = onednn_forward(m.packed_weight, m.bias)
         if m.weight.data_ptr() not in embeddings:
             release(m.weight)
             trim_heap()

@@ -42,9 +42,10 @@ def freeze_startup_objects() -> None:
     Every full collection re-walked all of them; where a call is bound by the Python that
     launches its kernels (a GPU), that tripled the engine's calls against the same calls timed
     back to back, and the simulator priced from the latter was that much too fast (figures in
-    docs/architecture.md, benchmarks/call_in_loop.py). Frozen objects are still freed when their
-    last reference goes (a replaced runner's weights are: tests/test_model_runner.py); only
-    garbage in a reference cycle among them would stay."""
+    docs/architecture.md, benchmarks/call_in_loop.py). A frozen object is freed when its last
+    reference goes, but a reference cycle through one is never collected, with all it reaches: so
+    a runner's objects hold no cycle (tests/test_model_runner.py drops a runner of each linear
+    choice and checks its weights are freed)."""
     gc.collect()
     gc.freeze()
 
