@@ -8,6 +8,7 @@ set the engine sees (``MINISERVE_CPU_FEATURES``), so the suite passes as-is on a
 mask; ``MINISERVE_KERNELS=0`` turns them all off, and the build tests then expect None."""
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -334,6 +335,25 @@ def test_a_build_lock_left_by_a_killed_build_is_removed(monkeypatch, tmp_path):
     os.utime(lock, (old, old))
     kernels._clear_stale_lock()
     assert not lock.exists()
+
+
+def test_a_lock_that_goes_stale_while_this_process_waits_is_removed(monkeypatch, tmp_path):
+    """torch's wait has no timeout: a builder killed after this process began waiting must not
+    hang it (the watch runs while torch's loader builds or waits)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(kernels.NAME, verbose=False)) / "lock"
+    lock.touch()  # another process's build, running
+    with kernels._stale_lock_watch(every_s=0.05):
+        time.sleep(0.2)
+        assert lock.exists()
+        old = time.time() - kernels.STALE_LOCK_S - 1
+        os.utime(lock, (old, old))  # its builder was killed long ago
+        deadline = time.monotonic() + 5
+        while lock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not lock.exists()
 
 
 @needs("gemv", torch.float32)

@@ -23,7 +23,8 @@ absent to the raw ops too.
 
 The build (~10 s with g++ and ninja) is cached by torch.utils.cpp_extension under
 ``$TORCH_EXTENSIONS_DIR`` (default ~/.cache/torch_extensions) and redone only when a source or
-the build command changes; concurrent processes wait on a lock file there. A CPU without AVX2
+the build command changes; concurrent processes wait on a lock file there, one left by a killed
+build is removed once stale (``_stale_lock_watch``; torch's wait has no timeout). A CPU without AVX2
 skips the build (one with AVX2 but no AVX-512 runs only the fp32 gemv, layer ops and attention); a machine without a compiler gets a warning. Either way the engine runs, on
 torch's own kernels.
 """
@@ -37,8 +38,10 @@ import math
 import mmap
 import os
 import platform
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,6 +205,26 @@ def _clear_stale_lock() -> None:
         pass
 
 
+@contextmanager
+def _stale_lock_watch(every_s: float = 5.0) -> Iterator[None]:
+    """While this process builds or waits for another's build: torch waits on a lock with no
+    timeout, so a lock whose builder was killed after this process began waiting would hold it
+    for ever (two processes hung so); every ``every_s`` a stale one is removed."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(every_s):
+            _clear_stale_lock()
+
+    _clear_stale_lock()
+    watcher = threading.Thread(target=watch, name="miniserve-build-lock", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+
+
 @functools.cache
 def _load() -> bool:
     if not enabled():
@@ -221,16 +244,16 @@ def _load() -> bool:
         from torch.utils.cpp_extension import load
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        _clear_stale_lock()
         # -fopenmp: at::parallel_for then runs on torch's own OpenMP pool (the libgomp torch has
         # loaded); without it the kernels would run on one core. -ffp-contract=off: a product and
         # a sum written apart stay apart (no fused multiply-add), so the layer ops round where
         # torch rounds. torch rebuilds when a source or a flag changes, not a header, so the
         # headers' hash is a flag.
         headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
-        load(NAME, [str(p) for p in SOURCES], extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off",
-                                                           f"-DMINISERVE_HEADERS={headers}"],
-             extra_ldflags=["-fopenmp"], is_python_module=False)
+        with _stale_lock_watch():
+            load(NAME, [str(p) for p in SOURCES], extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off",
+                                                               f"-DMINISERVE_HEADERS={headers}"],
+                 extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the engine still runs, on torch's kernels
         log.warning("miniserve's kernels could not be built (%s); the engine runs torch's own",
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
