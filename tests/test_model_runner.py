@@ -106,14 +106,22 @@ DISPATCH = ["", "linear=gemv,attention=kernel", "linear=onednn,attention=sdpa", 
             "linear=gemv,decode_attention=sdpa,prefill_attention=kernel"]
 
 
-@pytest.mark.parametrize("force", DISPATCH)
-@pytest.mark.parametrize("attention", ["ragged", "masked"])
-def test_packed_mixed_steps_match_unbatched_reference_fp32(attention, force, monkeypatch):
-    """Exact on every dispatch choice: the measured table's, and each candidate forced."""
+def force_dispatch(monkeypatch: pytest.MonkeyPatch, force: str) -> str:
+    """This test's runners take the dispatch ``force`` names (``dispatch.FORCE_ENV``: "" is the
+    measured table's); skipped where its forced linear does not run on this machine. Returns that
+    linear ("" for none forced)."""
     monkeypatch.setenv(dispatch.FORCE_ENV, force)
     forced = force.split(",")[0].removeprefix("linear=")
     if forced and forced not in dispatch.linear_candidates(torch.float32):
         pytest.skip(f"no {forced} linear on this machine (as masked)")
+    return forced
+
+
+@pytest.mark.parametrize("force", DISPATCH)
+@pytest.mark.parametrize("attention", ["ragged", "masked"])
+def test_packed_mixed_steps_match_unbatched_reference_fp32(attention, force, monkeypatch):
+    """Exact on every dispatch choice: the measured table's, and each candidate forced."""
+    forced = force_dispatch(monkeypatch, force)
     model_config = ModelConfig(name="tiny", attention=attention)
     config = SchedulerConfig(name="continuous", max_num_seqs=4, max_num_batched_tokens=16,
                              long_prefill_token_threshold=6)
@@ -263,10 +271,7 @@ def test_runner_freezes_its_startup_objects_and_a_replaced_runner_frees_its_weig
     (the lean path keeps a different projector for each) and the stock layers."""
     generic = force == "generic"
     if not generic:
-        monkeypatch.setenv(dispatch.FORCE_ENV, force)
-        forced = force.removeprefix("linear=")
-        if forced and forced not in dispatch.linear_candidates(torch.float32):
-            pytest.skip(f"no {forced} linear on this machine (as masked)")
+        force_dispatch(monkeypatch, force)
     runner = ModelRunner(ModelConfig(name="tiny", dtype="float32"), SchedulerConfig(max_num_seqs=2),
                          generic=generic)
     weight = next(runner.model.parameters())

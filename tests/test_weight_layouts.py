@@ -15,6 +15,7 @@ from engine.model import kernels
 from engine.model.kernels import dispatch
 from engine.model.runner import ModelRunner
 from engine.model.weights import released
+from tests.test_model_runner import force_dispatch
 
 
 def layouts(p) -> list[str]:
@@ -39,9 +40,7 @@ def held_bytes(runner: ModelRunner) -> int:
 @pytest.mark.parametrize("force", ["", "linear=gemv", "linear=onednn", "linear=torch"])
 def test_each_linear_weight_lives_in_one_layout(force, monkeypatch):
     """The measured table's choice (one candidate at every row count) and each candidate forced."""
-    monkeypatch.setenv(dispatch.FORCE_ENV, force)
-    if force and force.removeprefix("linear=") not in dispatch.linear_candidates(torch.float32):
-        pytest.skip(f"{force} does not run on this machine (as masked)")
+    force_dispatch(monkeypatch, force)
     runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=2, max_model_len=64))
     lean, model = runner._lean, runner.model
     choice = lean.choices[0]
