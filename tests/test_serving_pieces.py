@@ -159,3 +159,13 @@ def test_unknown_fields_are_ignored_but_named_once_in_the_log(caplog, monkeypatc
     assert not caplog.records  # known fields are not named
     parse_completion({"prompt": [1], "x" * 1_000_000: 1})  # kept cut short: a client cannot pin memory with names
     assert max(map(len, protocol._WARNED_UNKNOWN)) <= protocol.QUOTE_CHARS
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-45, 1e-6])
+def test_a_tiny_temperature_draws_the_most_likely_token_and_does_not_raise(temperature):
+    """logits / 1e-39 overflowed to inf and the softmax to NaN: the draw raised, and the engine
+    loop took every in-flight request down with it."""
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9], [1.0, -2.0, 7.5, 7.25]])
+    params = SamplingParams(temperature=temperature, seed=3)
+    assert torch.isfinite(filtered_probs(logits[0], params)).all()
+    assert sample(logits, _requests(params, n=2), lambda x: x.argmax(-1)) == [1, 2]

@@ -49,8 +49,12 @@ def _generator(params: SamplingParams, index: int, device: torch.device) -> torc
 
 
 def filtered_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a draw uses: logits / temperature, then top-k, then top-p (nucleus)."""
-    x = row.float() / params.temperature
+    """The distribution a draw uses: logits / temperature, then top-k, then top-p (nucleus). The
+    row's maximum comes off before the division: any temperature the API accepts (> 0, however
+    small) then leaves the most likely token at 0 and the rest finite or -inf, never inf - inf
+    (a NaN the draw would raise on, failing the step of every request in it)."""
+    x = row.float()
+    x = (x - x.max()) / params.temperature
     if params.top_k > 0 and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
