@@ -123,6 +123,8 @@ BAD_INPUTS = [
     ({"prompt": [1], "logit_bias": {"5": 100}}, 400, "logit_bias"),
     ({"prompt": [1], "suffix": "end"}, 400, "suffix"),
     ({"prompt": [1], "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": [1], "presence_penalty": False}, 400, "presence_penalty"),
+    (b'{"prompt": "a\\ud800b"}', 400, "prompt"),
     ({"prompt": [1], "max_tokens": "9" * 5_000_000}, 400, "max_tokens"),
     (b'{"prompt":[1],"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nested"),
     (b'{"prompt":' + b"[" * 960 + b"1" + b"]" * 960 + b"}", 400, "nested"),

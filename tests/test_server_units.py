@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.serving.engine_thread import EngineClosed, EngineThread, QueueFull, RequestSink
 from engine.llm_engine import Engine
-from engine.serving.protocol import ApiError, check_limits, parse_completion
+from engine.serving.protocol import ApiError, check_limits, parse_chat, parse_completion
 from engine.core.request import Request
 from engine.serving.app import create_app, parse_prometheus
 
@@ -130,6 +130,18 @@ def test_check_limits_blames_the_right_field(ids, max_tokens, param):
         check_limits(ids, max_tokens, vocab_size=50, max_model_len=10, kv_capacity_tokens=64)
     assert err.value.param == param and err.value.status == 400
     check_limits([1] * 5, 5, vocab_size=50, max_model_len=10, kv_capacity_tokens=64)
+
+
+def test_a_chat_max_completion_tokens_past_the_context_is_blamed_by_its_own_name():
+    params = parse_chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                         "max_completion_tokens": 10 ** 9})
+    assert (params.max_tokens, params.max_tokens_field) == (10 ** 9, "max_completion_tokens")
+    with pytest.raises(ApiError) as err:
+        check_limits([1] * 5, params.max_tokens, vocab_size=50, max_model_len=10, kv_capacity_tokens=64,
+                     max_tokens_field=params.max_tokens_field)
+    assert err.value.param == "max_completion_tokens" and err.value.message.startswith("max_completion_tokens")
+    plain = parse_chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert (plain.max_tokens, plain.max_tokens_field) == (2, "max_tokens")
 
 
 def test_metrics_count_prefix_cache_queries_and_hits_under_vllms_names():

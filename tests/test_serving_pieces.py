@@ -73,6 +73,7 @@ def test_logprobs_are_recorded_per_sampled_token():
     ("best_of", 2), ("presence_penalty", 0.5), ("frequency_penalty", 1), ("logit_bias", {"1": 5}),
     ("suffix", "x"), ("min_p", 0.1), ("top_p", 7), ("logprobs", -3), ("logprobs", 99), ("stop", 42),
     ("stop", ["a"] * 17), ("top_k", -2), ("seed", "x"), ("temperature", 2.5), ("stop_token_ids", [1.5]),
+    ("presence_penalty", False), ("best_of", True), ("use_beam_search", 0),  # JSON's false is not 0, 0 not false
 ])
 def test_unsupported_or_invalid_parameters_get_400_naming_them(field, value):
     with pytest.raises(ApiError) as err:
@@ -169,3 +170,19 @@ def test_a_tiny_temperature_draws_the_most_likely_token_and_does_not_raise(tempe
     params = SamplingParams(temperature=temperature, seed=3)
     assert torch.isfinite(filtered_probs(logits[0], params)).all()
     assert sample(logits, _requests(params, n=2), lambda x: x.argmax(-1)) == [1, 2]
+
+
+@pytest.mark.parametrize("raw,param", [
+    (b'{"prompt": "a\\ud800b"}', "prompt"),
+    (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages"),
+    (b'{"prompt": [1], "user": {"\\uDBFF": 1}}', "user"),  # a key too
+])
+def test_a_lone_surrogate_escape_is_a_400_naming_the_field(raw, param):
+    """json.loads takes half a UTF-16 pair; the tokenizer then failed on it as a 500."""
+    with pytest.raises(ApiError) as err:
+        parse_json(raw)
+    assert err.value.status == 400 and err.value.param == param and "Unicode" in err.value.message
+
+
+def test_a_whole_surrogate_pair_is_one_character():
+    assert parse_completion(parse_json(b'{"prompt": "\\ud83d\\ude00 ok"}')).prompt_text == "\U0001F600 ok"

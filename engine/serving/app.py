@@ -306,7 +306,8 @@ def _admit(body: dict, kind: str, state: _ServerState, runner) -> tuple[EngineRe
         if not ids:
             raise ApiError(400, "prompt: the text tokenizes to no tokens", "prompt")
     cfg = state.engine.engine.scheduler_config
-    max_tokens = check_limits(ids, params.max_tokens, run.vocab_size, run.max_model_len, cfg.kv_capacity_tokens)
+    max_tokens = check_limits(ids, params.max_tokens, run.vocab_size, run.max_model_len, cfg.kv_capacity_tokens,
+                              params.max_tokens_field)
     stop_ids = params.stop_token_ids
     if kind == "chat" and run.tokenizer is not None and not params.ignore_eos:
         end = run.tokenizer.convert_tokens_to_ids("<|im_end|>")  # the template's end of a turn

@@ -139,6 +139,7 @@ class CompletionParams:
     stop_token_ids: frozenset[int] = frozenset()
     echo: bool = False
     messages: list[dict] | None = None  # chat: rendered with the model's template at admission
+    max_tokens_field: str = "max_tokens"  # the field max_tokens came from, for errors (chat: max_completion_tokens)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -156,7 +157,38 @@ def parse_json(raw: bytes) -> dict:
     # there are enough brackets for it to matter
     if raw.count(b"[") + raw.count(b"{") > MAX_NESTING and _depth(body) > MAX_NESTING:
         raise too_deep
+    if _SURROGATE_ESCAPE.search(raw):
+        _refuse_lone_surrogates(body)
     return body
+
+
+# \ud800-\udfff: JSON's escape for half of a UTF-16 pair. A whole pair decodes to one character; a
+# half alone parses to a string no tokenizer or response can encode (it failed deep in the
+# tokenizer as a 500)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(body: dict) -> None:
+    """A 400 naming the top-level field whose text (a value or a key anywhere below it) holds one."""
+    for key, value in body.items():
+        stack = [key, value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, dict):
+                stack += [*item.keys(), *item.values()]
+            elif isinstance(item, list):
+                stack += item
+            elif isinstance(item, str) and not _encodes(item):
+                field = key[:QUOTE_CHARS].encode("utf-8", "backslashreplace").decode("utf-8")
+                raise ApiError(400, f"{field}: text is not valid Unicode (a lone UTF-16 surrogate escape)", field)
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _depth(value: Any) -> int:
@@ -189,7 +221,7 @@ def _warn_unknown(model: type[BaseModel], body: dict) -> None:
 def _validate(model: type[BaseModel], body: dict) -> BaseModel:
     _warn_unknown(model, body)
     for name, allowed in UNSUPPORTED.items():
-        if name in body and body[name] not in allowed:
+        if name in body and not _one_of(body[name], allowed):
             raise ApiError(400, f"{name}: not supported by miniserve (got {quote(body[name])}); "
                                 f"leave it out or send {allowed[-1]!r}", name)
     try:
@@ -201,6 +233,11 @@ def _validate(model: type[BaseModel], body: dict) -> BaseModel:
         hint = FIELD_HINTS.get(top, "")
         raise ApiError(400, f"{param}: {err['msg']} (got {quote(err.get('input'))})" + (f"; {hint}" if hint else ""),
                        param=top if top in ("prompt", "messages") else param) from None
+
+
+def _one_of(value: Any, allowed: tuple) -> bool:
+    """``value in allowed`` with JSON's types kept apart: false is not 0, true is not 1."""
+    return any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed)
 
 
 _UNION_TAG = re.compile(r"(str|int|float|bool|none|[\w-]+\[.*\]|function-.*)")  # pydantic's union branch names
@@ -259,9 +296,9 @@ def parse_chat(body: dict) -> CompletionParams:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     include_usage = _include_usage(req)
     stop, stop_ids = _stops(req)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return CompletionParams(None, None, max_tokens, req.ignore_eos, req.stream, include_usage, req.model,
-                            _sampling(req, logprobs), stop, stop_ids, messages=messages)
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    return CompletionParams(None, None, getattr(req, field), req.ignore_eos, req.stream, include_usage, req.model,
+                            _sampling(req, logprobs), stop, stop_ids, messages=messages, max_tokens_field=field)
 
 
 def _parse_prompt(prompt: Any) -> tuple[list[int] | None, str | None]:
@@ -319,9 +356,10 @@ def check_vocab(token_ids: list[int], vocab_size: int, param: str = "prompt") ->
 
 
 def check_limits(prompt_token_ids: list[int], max_tokens: int | None, vocab_size: int, max_model_len: int,
-                 kv_capacity_tokens: int) -> int:
-    """What the engine could never serve, refused before acceptance with the field to blame;
-    returns ``max_tokens``, filled in to the context left when the client left it out."""
+                 kv_capacity_tokens: int, max_tokens_field: str = "max_tokens") -> int:
+    """What the engine could never serve, refused before acceptance with the field to blame
+    (``max_tokens_field``: where the request put max_tokens); returns ``max_tokens``, filled in
+    to the context left when the client left it out."""
     check_vocab(prompt_token_ids, vocab_size)
     n = len(prompt_token_ids)
     limit = min(max_model_len, kv_capacity_tokens)
@@ -331,7 +369,7 @@ def check_limits(prompt_token_ids: list[int], max_tokens: int | None, vocab_size
     if max_tokens is None:
         return limit - n
     if n + max_tokens > limit:
-        raise ApiError(400, f"max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} "
-                            f"exceeds the model's context ({limit} tokens); at most {limit - n} here",
-                       "max_tokens")
+        raise ApiError(400, f"{max_tokens_field}: prompt ({n} tokens) + {max_tokens_field} ({max_tokens}) = "
+                            f"{n + max_tokens} exceeds the model's context ({limit} tokens); at most {limit - n} here",
+                       max_tokens_field)
     return max_tokens
