@@ -29,6 +29,15 @@ def test_block_hashes_chain_from_the_previous_block():
     assert block_hashes([5] * 16 + a[16:32], 16)[1] != block_hashes(a, 16)[1]
 
 
+def test_blocks_whose_python_hashes_collide_get_different_keys():
+    """Python's hash of a tuple of ints is public arithmetic: hash(2**61 - 1) == hash(0), so these
+    two blocks had one key, and a prompt built to collide would have been served another's KV."""
+    block, twin = [0] * 16, [2 ** 61 - 1] + [0] * 15
+    assert hash(tuple(block)) == hash(tuple(twin))
+    assert block_hashes(block, 16) != block_hashes(twin, 16)
+    assert block_hashes(block + [7] * 16, 16)[1] != block_hashes(twin + [7] * 16, 16)[1]
+
+
 def _cache_request(pool: KVBlockPool, rid: str, prompt: list[int]) -> list[int]:
     """Admit, compute and release a request whose prompt fills whole blocks: its blocks get cached."""
     hashes = block_hashes(prompt, pool.block_size)

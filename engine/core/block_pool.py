@@ -17,6 +17,8 @@ requests reference them. So ``num_free + Σ (held − |prefix|) + |cached| == nu
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -24,17 +26,27 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # (request.py imports this module)
     from engine.core.request import Request
 
-ROOT_HASH = 0  # the parent of a prompt's first block (hash(None) changes between processes)
-
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Hashes of the full blocks of ``token_ids``, each chained from the previous one (vLLM's
-    scheme: hash(parent hash, the block's token ids)), so equal hashes mean equal prefixes.
-    Python's hash of a tuple of ints is the same in every process (no PYTHONHASHSEED)."""
-    out, parent = [], ROOT_HASH
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start:start + block_size])))
-        out.append(parent)
+    """Content keys of the full blocks of ``token_ids``: block i's is a digest of every token up to
+    its end (vLLM's chained block hash), so equal keys mean equal prefixes, and a cached block's KV
+    is reused only by a prompt that starts with the very tokens it was computed from. The digest
+    is cryptographic (BLAKE2b, 128 bits), as vLLM's: Python's ``hash`` of a tuple of token ids is
+    a fixed, public function whose 64-bit collisions a client can search for, and a colliding
+    prompt would be served another request's KV. The same in every process."""
+    out: list[int] = []
+    full = len(token_ids) // block_size
+    if not full:
+        return out
+    try:
+        data, width = array("q", token_ids[:full * block_size]).tobytes(), 8
+    except OverflowError:  # an id past 64 bits (the simulator's placeholder prompts, at millions of requests)
+        data, width = b"".join(t.to_bytes(16, "little", signed=True) for t in token_ids[:full * block_size]), 16
+    step = width * block_size
+    digest = hashlib.blake2b(digest_size=16)
+    for start in range(0, full * step, step):
+        digest.update(data[start:start + step])
+        out.append(int.from_bytes(digest.copy().digest(), "little"))
     return out
 
 
