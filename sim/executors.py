@@ -223,7 +223,7 @@ class ReplayExecutor:
         if self.expect_plans and plan != record.plan:
             raise ReplayDivergedError(f"step {self.index}: simulated plan {plan} != recorded {record.plan}")
         self.index += 1
-        return StepResult(None, record.end_s - start_s, record.end_s, record.end_s)
+        return StepResult(None, getattr(record, "model_s", record.end_s - start_s), record.end_s, record.end_s)
 
     def decode_costs(self, num_decodes: int) -> None:
         return None  # every step is checked against the recorded plan

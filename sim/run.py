@@ -134,8 +134,8 @@ def write_outputs(result: SimResult, out_dir: Path, max_num_seqs: int, goodput: 
     if result.steps:
         for i in range(result.num_replicas):
             name = "trace.json" if result.num_replicas == 1 else f"trace_replica{i}.json"
-            write_chrome_trace(((s.plan.label, s.start_s, s.end_s - s.start_s) for s in result.steps
-                                if s.replica == i), out_dir / name, process_name=f"miniserve-sim-{i}")
+            write_chrome_trace((s.trace_call for s in result.steps if s.replica == i), out_dir / name,
+                               process_name=f"miniserve-sim-{i}")
             info["traces"][name] = summarize_trace(out_dir / name, max_num_seqs).to_dict()
     if result.timeseries is not None:
         write_timeseries_csv(result.timeseries, out_dir / "timeseries.csv")

@@ -166,7 +166,7 @@ class Replica:
             idle_from = None
             end, ready = result.end_s, result.ready_s
             if steps is not None:
-                steps.append(StepRecord(plan.materialize(), now, end, end - now, self.index))
+                steps.append(StepRecord(plan.materialize(), now, end, result.duration_s, self.index))
             if series is not None:
                 series.time_s.append(now)
                 series.replica.append(self.index)

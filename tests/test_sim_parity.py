@@ -51,6 +51,7 @@ def test_replaying_measured_steps_reproduces_plans_and_token_times(real_run, nam
     sim = simulate(make_requests(generate(POISSON)), CONFIGS[name], lambda: ReplayExecutor(real.steps), keep_steps=True)
     assert [s.plan for s in sim.steps] == [s.plan for s in real.steps]
     assert [(s.start_s, s.end_s) for s in sim.steps] == [(s.start_s, s.end_s) for s in real.steps]
+    assert sim.trace_calls() == real.trace_calls()  # the call alone, not the step's work before it
     real_by_id = {r.request_id: r for r in real.records}
     assert len(sim.records) == len(real_by_id) == POISSON.num_requests
     for rec in sim.records:
@@ -108,3 +109,19 @@ def test_replay_reports_where_a_run_diverges(real_run):
     other = replace(CONFIGS["continuous"], max_num_seqs=3)
     with pytest.raises(ReplayDivergedError, match="step 1:"):
         simulate(make_requests(generate(BURST)), other, lambda: ReplayExecutor(real.steps))
+
+
+def test_a_simulated_steps_model_time_is_the_call_alone_as_the_real_one_is():
+    """A real step record's model_s is the device timer's call; the work before the call
+    (scheduling, packing) is in the step, not the call. The simulator recorded both as the call,
+    so its traces' busy time, gaps and occupancy measured something else than the real ones."""
+    cost = replace(cost_model_from(step_overhead_s=0.004, const=0.01, prefill_tokens=1e-4, decode_tokens=1e-3),
+                   info={"step_overhead": {"before_call_median_s": 0.003}})
+    sim = simulate(make_requests(generate(BURST)), CONFIGS["continuous"], lambda: CostModelExecutor(cost),
+                   keep_steps=True)
+    assert sim.steps
+    for step in sim.steps:
+        assert step.model_s == pytest.approx(cost.predict(step.plan))
+        assert step.end_s - step.start_s == pytest.approx(0.003 + step.model_s)
+        label, call_start, call_s = step.trace_call
+        assert call_start == pytest.approx(step.start_s + 0.003) and call_s == step.model_s
