@@ -63,9 +63,9 @@ def per_call_errors(cost, steps) -> np.ndarray:
     return np.asarray([abs(cost.predict(s.plan) - s.model_s) / s.model_s for s in steps])
 
 
-def sim_metrics(cost, real, scheduler: SchedulerConfig) -> dict:
-    replay = [Request(r.request_id, range(r.prompt_tokens), r.output_tokens, arrival_s=r.arrival_s)
-              for r in real.records]
+def sim_metrics(cost, requests: list[Request], scheduler: SchedulerConfig) -> dict:
+    """The simulation of a real run's own requests (fresh copies: arrivals, lengths and prompt ids)."""
+    replay = [Request(r.request_id, r.prompt_token_ids, r.max_tokens, arrival_s=r.arrival_s) for r in requests]
     return simulate(replay, scheduler, lambda: CostModelExecutor(cost)).metrics()
 
 
@@ -121,8 +121,10 @@ def serve(subject: Subject, row: int, repeat: int, scheduler: SchedulerConfig) -
 
 def records_of(subject: Subject, scheduler: SchedulerConfig, repeats: int) -> list[dict]:
     out = []
-    for row, (row_name, _) in enumerate(subject.rows):
+    for row, (row_name, workload) in enumerate(subject.rows):
         reals = [subject.runs[row, k][0] for k in range(repeats)]
+        # every repeat served these (serve makes them the same way)
+        requests = make_requests(generate(workload), vocab_size=subject.runner.vocab_size, seed=workload.seed)
         real_ms = [real.metrics() for real in reals]
         stamps = [subject.runs[row, k][1] for k in range(repeats)]
         fitted = [subject.runs[row, k][2] for k in range(repeats)]  # None where no bandwidth fits its calls
@@ -138,7 +140,7 @@ def records_of(subject: Subject, scheduler: SchedulerConfig, repeats: int) -> li
                               "calls": [at_run_bandwidth(cost, b) for b in fitted]}[priced]
                 c = per_repeat[0] if priced != "calls" else at_run_bandwidth(cost, statistics.median(fitted))
                 errs = np.concatenate([per_call_errors(cr, real.steps) for cr, real in zip(per_repeat, reals)])
-                sim_m = sim_metrics(c, reals[0], scheduler)  # every repeat serves the same arrivals
+                sim_m = sim_metrics(c, requests, scheduler)
                 label = {"calibration": "", "run": " @run GB/s", "calls": " @its calls"}[priced]
                 rec = {"model": subject.label, "row": row_name, "cost": kind + label, "calls": len(reals[0].steps),
                        "repeats": repeats, "call_median": float(np.median(errs)), "call_worst": float(errs.max()),

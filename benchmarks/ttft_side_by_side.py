@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, n
 
 from calibration.cost_model import CostModel  # noqa: E402
 from engine.core.config import SchedulerConfig  # noqa: E402
-from engine.core.request import Request  # noqa: E402
 from engine.core.plan import BatchPlan  # noqa: E402
 from sim.executors import CostModelExecutor  # noqa: E402
 from sim.simulator import simulate  # noqa: E402
+from experiments.validate import replay_requests  # noqa: E402
 
 
 def med(xs) -> float:
@@ -52,7 +52,7 @@ def main() -> None:
         if wanted and meta["workload"] not in wanted:
             continue
         config = SchedulerConfig(**meta["scheduler"])
-        reqs = [Request(rid, range(p), o, arrival_s=a) for rid, a, p, o in rr[0]["replay"]]
+        reqs = replay_requests(rr[0]["replay"], config.enable_prefix_caching)
         sim = simulate(reqs, config, lambda: CostModelExecutor(cost), keep_steps=True)
         s_first = {r.request_id: (r.arrival_s, r.first_scheduled_s, r.token_times_s[0]) for r in sim.records}
         real_ttft, wait, serve, idle_ratio, busy_ratio, before, after = [], [], [], [], [], [], []

@@ -73,7 +73,7 @@ from engine.core.config import ModelConfig, SchedulerConfig
 from engine.core.plan import BatchPlan
 from engine.core.request import Request
 from engine.observe.trace import parse_label, summarize_calls
-from engine.observe.workload import WorkloadConfig, generate, make_requests
+from engine.observe.workload import PLACEHOLDER_STRIDE, WorkloadConfig, generate, make_requests
 from experiments.fresh_process import in_fresh_process
 from experiments.report_table import format_table
 from experiments.schema import register, to_object
@@ -270,6 +270,7 @@ def real_run(engine, row: Row, calibration: Stamps, limits: Contention) -> dict:
     engine.reset(row.scheduler)
     engine.warmup()
     requests = make_requests(generate(row.workload), vocab_size=engine.runner.vocab_size, seed=row.workload.seed)
+    prompts = {r.request_id: list(r.prompt_token_ids) for r in requests}
     with MemoryStamp(engine.runner.device, engine.runner.decode_weights()) as memory, Interval() as others:
         real = engine.run(requests)
     metrics = with_trace(real.metrics(), real.trace_calls(), row.scheduler.max_num_seqs)
@@ -277,7 +278,9 @@ def real_run(engine, row: Row, calibration: Stamps, limits: Contention) -> dict:
     return {"metrics": metrics, "memory_gb_s": memory.gb_s, "weights_gb_s": memory.weights_gb_s,
             "others_cores": others.others_cores,
             "contended": bool(reason), "reason": reason,
-            "replay": [(r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens) for r in real.records],
+            # the prompts' ids too: with prefix caching, which requests share blocks is the run
+            "replay": [(r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens, prompts[r.request_id])
+                       for r in real.records],
             # for side-by-side traces: each step (label, start, end, model call) and each request's
             # (id, arrival, first scheduled, first token)
             "steps": [(st.plan.label, st.start_s, st.end_s, st.model_s, list(st.plan.num_tokens),
@@ -423,22 +426,33 @@ def row_run_noise(cost: AnyCostModel, runs: list[dict], row: int, draw: str, his
     return base.with_stamps(stamps, f"{len(others)} of other rows' real runs, {how}")
 
 
-def replay_requests(replay: list[tuple]) -> list[Request]:
-    """Fresh requests with a real run's arrivals and lengths (real_runs.json's ``replay``)."""
-    return [Request(rid, range(p), o, arrival_s=a) for rid, a, p, o in replay]
+def replay_requests(replay: list[tuple], prefix_caching: bool = False) -> list[Request]:
+    """Fresh requests with a real run's arrivals, lengths and prompt ids (real_runs.json's
+    ``replay``). A replay kept before the ids were (four fields: lengths only) gets ids unique to
+    each request, so no two share a cached block; with ``prefix_caching`` that would predict none
+    of the real run's hits, so such a replay is refused."""
+    if any(len(entry) < 5 for entry in replay):
+        if prefix_caching:
+            raise ValueError("these real runs kept only their prompts' lengths (real_runs.json from before "
+                             "the prompts' ids were kept): with prefix caching the simulation needs their "
+                             "content; run the real rows again")
+        return [Request(rid, range(i * PLACEHOLDER_STRIDE, i * PLACEHOLDER_STRIDE + p), o, arrival_s=a)
+                for i, (rid, a, p, o, *_) in enumerate(replay)]
+    return [Request(rid, ids, o, arrival_s=a) for rid, a, p, o, ids in replay]
 
 
 def simulate_replay(cost: AnyCostModel, row: Row, replay: list[tuple], time_scale: float = 1.0) -> dict:
     """The deterministic simulation of a row's replay: its metrics, with the trace's."""
-    sim = simulate(replay_requests(replay), row.scheduler, lambda: CostModelExecutor(cost, time_scale),
-                   keep_steps=True)
+    requests = replay_requests(replay, row.scheduler.enable_prefix_caching)
+    sim = simulate(requests, row.scheduler, lambda: CostModelExecutor(cost, time_scale), keep_steps=True)
     return with_trace(sim.metrics(), sim.trace_calls(), row.scheduler.max_num_seqs)
 
 
 def replicate_metrics(cost: AnyCostModel, row: Row, replay: list[tuple], n: int, seed: int,
                       run_noise: RunNoise | None = None) -> list[dict]:
     """The metrics of ``n`` noisy replicates of a row's replay (sim.bands.replicates)."""
-    reps = (replicates(lambda: replay_requests(replay), row.scheduler, cost, n, seed, run_noise=run_noise,
+    caching = row.scheduler.enable_prefix_caching
+    reps = (replicates(lambda: replay_requests(replay, caching), row.scheduler, cost, n, seed, run_noise=run_noise,
                        keep_steps=True) if n else [])
     return [with_trace(r.metrics(), r.trace_calls(), row.scheduler.max_num_seqs) for r in reps]
 

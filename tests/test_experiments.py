@@ -174,3 +174,33 @@ def test_experiment_presets_compose(app, preset):
         assert obj.workload.arrival == "burst" and obj.workload.num_requests == 16 and obj.scheduler.max_num_seqs == 8
     if preset == "quick_validate":
         assert obj.matrix.max_num_seqs == [8]
+
+
+def test_a_replay_keeps_the_prompts_ids_so_prefix_cache_hits_are_the_runs():
+    """A replay kept lengths only and gave every request range(p): all prompts then shared their
+    leading blocks, and a simulation with prefix caching found hits the real run never had."""
+    from engine.core.config import SchedulerConfig
+    from engine.observe.workload import LengthDist, WorkloadConfig, generate, make_requests
+    from experiments.validate import replay_requests
+    from sim import CostModelExecutor, simulate
+    from sim.executors import cost_model_from
+
+    workload = WorkloadConfig(arrival="poisson", rate=20.0, num_requests=16, content="multi_turn", turns=2,
+                              turn_gap_s=0.3, prefix_tokens=24, seed=2,
+                              prompt=LengthDist(kind="uniform", low=4, high=20, max=200),
+                              output=LengthDist(kind="uniform", low=1, high=8))
+    scheduler = SchedulerConfig(max_num_seqs=4, block_size=4, enable_prefix_caching=True)
+    cost = cost_model_from(const=0.01, prefill_tokens=1e-3, decode_tokens=1e-3)
+    requests = make_requests(generate(workload))
+    replay = [(r.request_id, r.arrival_s, r.num_prompt_tokens, r.max_tokens, list(r.prompt_token_ids))
+              for r in requests]
+
+    def hits(reqs):
+        return simulate(reqs, scheduler, lambda: CostModelExecutor(cost)).metrics()["prefix_cache_hits"]
+    assert 0 < hits(replay_requests(replay, True)) == hits(make_requests(generate(workload)))
+    lengths_only = [entry[:4] for entry in replay]
+    with pytest.raises(ValueError, match="content"):
+        replay_requests(lengths_only, prefix_caching=True)
+    unique = replay_requests(lengths_only)  # without caching: lengths are all a simulation reads
+    assert [r.num_prompt_tokens for r in unique] == [r.num_prompt_tokens for r in requests]
+    assert hits(unique) == 0
