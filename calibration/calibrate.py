@@ -23,9 +23,9 @@ from calibration.grid import GRID_SPECS, GridSpec, build_grid, edge_prompts
 from calibration.kv_copy import measure_kv_copy
 from calibration.bandwidth_history import profile_history
 from calibration.noise import calibration_stamps, noise_report
-from calibration.profiler import (IDLE_SHAPES, Measurement, Robustness, ShapePool, after_idle_sleep_s,
-                                  at_bandwidth, execute_uncontended, make_runner, measure_after_idle,
-                                  measure_engine_runs, measure_shapes, spread, threads_of)
+from calibration.profiler import (IDLE_SHAPES, IDLE_STEP_GAP_S, IDLE_STEPS, Measurement, Robustness, ShapePool,
+                                  after_idle_sleep_s, at_bandwidth, execute_uncontended, make_runner,
+                                  measure_after_idle, measure_engine_runs, measure_shapes, spread, threads_of)
 from calibration.roofline import (Machine, MemoryStamp, ModelShape, call_work, fresh_like_gb_s, measure_machine,
                                   memory_read_gb_s, roofline_s, best_s, tensors_read_gb_s)
 from engine.core.config import ModelConfig
@@ -243,8 +243,8 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     # known while measuring, so extra rounds go to shapes wide at the usual bandwidth
     machine = measure_machine(runner.model.dtype, device=runner.device)
     mshape = ModelShape.of(runner.model)
-    plan = plan_to_budget(pool, shapes, cfg, spec.repeats, t0, after_idle_sleep_s(len(idle_shapes), idle_levels),
-                          call_stamp)
+    sleeps_s = after_idle_sleep_s(len(idle_shapes), idle_levels) + IDLE_STEPS * IDLE_STEP_GAP_S
+    plan = plan_to_budget(pool, shapes, cfg, spec.repeats, t0, sleeps_s, call_stamp)
     shares = [memory_share(s.to_plan(pool.request_ids), mshape, machine) for s in plan.shapes]
     # with a time budget, what it leaves for measuring bounds the retries and extra rounds too
     robust = cfg.robust if plan.budget_s is None else replace(cfg.robust, budget_s=plan.budget_s)

@@ -169,21 +169,28 @@ class AfterIdle:
 
     idle_s: tuple[float, ...] = ()
     extra_s: tuple[float, ...] = ()
+    # the step around that call (calibration.profiler.measure_idle_steps): from the arrival that
+    # ends the rest to the step's start (the loop wakes late), and from there to the call (None: a
+    # busy step's, as profiles from before it was measured have it)
+    wake_s: float = 0.0
+    before_call_s: float | None = None
 
     @classmethod
     def of(cls, info: dict) -> AfterIdle:
         """From a profile's info; profiles from before the idle lengths have one, older ones none (a
         length of 0 or less would be no idle, and is left out)."""
+        step = info.get("step_overhead") or {}
+        wake, before = step.get("idle_wake_median_s", 0.0), step.get("idle_before_call_median_s")
         part = info.get("after_idle")
         if not part:
-            return cls()
+            return cls(wake_s=wake, before_call_s=before)
         levels = sorted((level for level in (part["levels"] if "levels" in part else [part]) if level["idle_s"] > 0),
                         key=lambda level: level["idle_s"])
         extra, at_least = [], 0.0
         for level in levels:
             at_least = max(at_least, level["extra_s"])
             extra.append(at_least)
-        return cls(tuple(level["idle_s"] for level in levels), tuple(extra))
+        return cls(tuple(level["idle_s"] for level in levels), tuple(extra), wake, before)
 
     def extra(self, idle_s: float) -> float:
         """Seconds the first call after ``idle_s`` of idle takes more."""

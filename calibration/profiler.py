@@ -381,6 +381,10 @@ class OverheadSummary:
     share_of_busy: float  # Σ overhead / Σ model time
     before_call_median_s: float = 0.0  # the part spent between a step's start and its model call
     samples_s: tuple[float, ...] = ()  # every step's overhead (prediction bands draw from them)
+    # the first step after the engine sat idle (measure_idle_steps): from the arrival that ends the
+    # rest to the step's start (the loop's sleep overshooting), then to its model call
+    idle_wake_median_s: float = 0.0
+    idle_before_call_median_s: float = 0.0
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "samples_s": list(self.samples_s)}
@@ -441,9 +445,39 @@ def measure_engine_runs(runner: ModelRunner, max_num_seqs: int, runs: int = 3,
                          stamps_gb_s=() if None in stamps[shape] else tuple(stamps[shape]))
              for shape, ts in times.items()]
     arr = np.asarray(overheads)
+    wake, idle_before = measure_idle_steps(engine)
     summary = OverheadSummary(float(np.median(arr)), float(arr.mean()), float(np.percentile(arr, 90)), len(arr),
-                              float(arr.sum() / busy), float(np.median(before)), tuple(float(x) for x in arr))
+                              float(arr.sum() / busy), float(np.median(before)), tuple(float(x) for x in arr),
+                              float(np.median(wake)), float(np.median(idle_before)))
     return summary, calls
+
+
+IDLE_STEPS = 8  # one-step requests, each arriving after the engine has sat idle ...
+IDLE_STEP_GAP_S = 0.2  # ... this long (the calibration's time budget sets their sleeps aside)
+
+
+def measure_idle_steps(engine: Engine, steps: int = IDLE_STEPS, gap_s: float = IDLE_STEP_GAP_S
+                       ) -> tuple[list[float], list[float]]:
+    """What the first step after idle spends outside its model call, per step: (the arrival to the
+    step's start: the loop sleeps until the next arrival and wakes late, and whoever arrives
+    meanwhile joins the step; the step's start to its model call: scheduling and packing in cold
+    caches, several times a busy step's on a small model). Requests of a 16-token prompt and one
+    output token arrive ``gap_s`` apart; the steps taken are those that follow a rest (a prompt
+    the engine's token budget cuts into chunks takes its later ones busy). The call itself is
+    AfterIdle's (measure_after_idle)."""
+    vocab = engine.runner.vocab_size
+    requests = [Request(f"idle-{i}", [(7 * i + j) % vocab for j in range(16)], 1, arrival_s=i * gap_s)
+                for i in range(steps + 1)]
+    arrival = {r.request_id: r.arrival_s for r in requests}
+    result = engine.run(requests)
+    engine.reset()
+    wake, before = [], []
+    for prev, st in zip(result.steps, result.steps[1:]):  # the first starts the run: no rest before it
+        woke_at = max(arrival[rid] for rid in st.plan.ids)
+        if woke_at > prev.end_s:  # the engine slept until this arrival
+            wake.append(max(0.0, st.start_s - woke_at))
+            before.append(st.end_s - st.start_s - st.model_s)
+    return wake, before
 
 
 def threads_of(model_config: ModelConfig) -> ModelConfig:

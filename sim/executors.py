@@ -47,7 +47,8 @@ class SimExecutor(Protocol):
         """Nothing is held in simulation."""
 
     def rest(self, idle_s: float) -> None:
-        """The engine has sat idle ``idle_s`` so far (nothing to run); the next call may cost more."""
+        """The engine has sat idle ``idle_s`` so far (nothing to run); the next step may start later
+        and its call cost more. Told before ``start``."""
 
     def decode_costs(self, num_decodes: int) -> tuple[float, float, float, float] | None:
         """(seconds before the call, the call's seconds, its seconds per context token, seconds
@@ -62,6 +63,9 @@ class CostModelExecutor:
     loop does; the call takes ``predict(plan)`` (plus the profile's ``after_idle`` extra for as long as
     the engine sat idle before it) and its tokens come out at its end; the rest of
     ``step_overhead_s`` (sampling bookkeeping, the loop) passes before the next step can start.
+    The first step after a rest starts ``after_idle.wake_s`` after the arrival that ends it (the
+    real loop sleeps until then and wakes late; whoever arrives meanwhile joins the step) and
+    spends ``after_idle.before_call_s`` before its call, where the profile measured them.
     ``time_scale`` stretches all of it (not how long a rest must be to cost the extra: arrivals
     set that): the same machine that much slower (or faster, below 1), for asking how much a
     prediction moves with a machine's speed (validate's sensitivity)."""
@@ -74,13 +78,16 @@ class CostModelExecutor:
         self._predict = cost_model.predict
         self._before = cost_model.before_call_s * time_scale
         self._after = (cost_model.step_overhead_s - cost_model.before_call_s) * time_scale
-        self._after_idle = cost_model.after_idle
+        self._after_idle = after_idle = cost_model.after_idle
+        self._wake = after_idle.wake_s * time_scale
+        self._idle_before = (self._before if after_idle.before_call_s is None
+                             else after_idle.before_call_s * time_scale)
         self._idle_s = 0.0
         self._decode_terms: dict[int, tuple[float, float]] = {}  # by count: (fixed, per context), scaled
         self._decode_costs: dict[int, tuple[float, float, float, float]] = {}  # by count: a run's costs
 
     def start(self, now: float) -> float:
-        return now
+        return now + self._wake if self._idle_s else now
 
     def free(self, request_ids: Iterable[str]) -> None:
         pass
@@ -106,10 +113,12 @@ class CostModelExecutor:
 
     def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:
         duration = self.call_s(plan)
+        before = self._before
         if self._idle_s:  # the first call after the engine sat idle (threads asleep, caches cold)
             duration += self._after_idle.extra(self._idle_s) * self.time_scale
+            before = self._idle_before
             self._idle_s = 0.0
-        end = start_s + self._before + duration
+        end = start_s + before + duration
         return StepResult(None, duration, end, end + self._after)
 
     def decode_costs(self, num_decodes: int) -> tuple[float, float, float, float] | None:

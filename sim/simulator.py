@@ -141,12 +141,12 @@ class Replica:
         idle_from: float | None = None  # since when nothing could run
         now = env.now
         while True:
+            if idle_from is not None:  # first: a step after a rest may start late (CostModelExecutor.start)
+                rest(now - idle_from)
             start = executor.start(now)
             if start > now:
                 yield timeout(start - env.now)
                 now = start
-            if idle_from is not None:
-                rest(now - idle_from)
             launched = core.launch(now, executor)
             if launched is None:
                 if idle_from is None:

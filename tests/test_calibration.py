@@ -207,6 +207,8 @@ def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tmp_path):
     engine = [m for m in data["measurements"] if m["kind"] == "engine"]
     # every engine call timed, once: each shape's calls from the runs (same lengths, same plans) are its repeats
     assert sum(len(m["times_s"]) for m in engine) == data["grid"]["engine_calls"] == data["step_overhead"]["steps"] > 0
+    # the first step after a rest: the loop's late wake-up and the work before its call
+    assert data["step_overhead"]["idle_wake_median_s"] >= 0 and data["step_overhead"]["idle_before_call_median_s"] > 0
     assert len(engine) == data["grid"]["engine_shapes"] == len({m["shape"] for m in engine})
     assert max(len(m["times_s"]) for m in engine) == 3  # the default three runs replay the same plans
     assert len(kinds) == data["grid"]["calls"] + data["grid"]["engine_shapes"]

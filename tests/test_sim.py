@@ -115,6 +115,28 @@ def test_the_first_call_after_the_engine_sat_idle_costs_the_profiles_extra():
     assert c.token_times_s == pytest.approx((1.55, 1.65))  # arrived while b ran: never idle
 
 
+def test_the_first_step_after_a_rest_starts_late_and_spends_the_profiles_time_before_its_call():
+    """The real loop sleeps until the next arrival and wakes late (whoever arrives meanwhile joins
+    the step), then schedules and packs in cold caches (calibration.profiler.measure_idle_steps)."""
+    cost = replace(cost_model_from(step_overhead_s=0.003, const=0.1),
+                   info={"step_overhead": {"before_call_median_s": 0.002, "idle_wake_median_s": 0.004,
+                                           "idle_before_call_median_s": 0.01}})
+    def requests():
+        return [Request("a", range(4), 1, arrival_s=0.0), Request("b", range(4), 1, arrival_s=1.0),
+                Request("c", range(4), 1, arrival_s=1.003), Request("d", range(4), 1, arrival_s=1.2)]
+    sim = simulate(requests(), SchedulerConfig(name="static", max_num_seqs=4), lambda: CostModelExecutor(cost),
+                   keep_steps=True)
+    a, b, c, d = sim.records
+    assert a.first_scheduled_s == 0.0 and a.token_times_s[0] == pytest.approx(0.102)  # no rest before the run's first
+    assert b.first_scheduled_s == c.first_scheduled_s == pytest.approx(1.004)  # c arrived while the loop woke
+    assert b.token_times_s[0] == c.token_times_s[0] == pytest.approx(1.004 + 0.01 + 0.1)
+    assert d.first_scheduled_s == pytest.approx(1.204) and d.token_times_s[0] == pytest.approx(1.314)
+    assert [s.model_s for s in sim.steps] == pytest.approx([0.1] * 3)
+    old = replace(cost, info={"step_overhead": {"before_call_median_s": 0.002}})  # profiles from before: as busy
+    b_old = simulate(requests()[:2], SchedulerConfig(name="serial"), lambda: CostModelExecutor(old)).records[1]
+    assert b_old.first_scheduled_s == 1.0 and b_old.token_times_s[0] == pytest.approx(1.102)
+
+
 def test_the_first_call_after_idle_costs_more_the_longer_the_engine_sat():
     # measured at 0.1, 1 and 10 s of idle: 0, 0.02 and 0.05 s more (calibration.profiler.measure_after_idle)
     levels = [{"idle_s": 0.1, "extra_s": 0.0}, {"idle_s": 1.0, "extra_s": 0.02}, {"idle_s": 10.0, "extra_s": 0.05}]
