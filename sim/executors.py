@@ -238,6 +238,42 @@ class ReplayExecutor:
         return None  # every step is checked against the recorded plan
 
 
+class MeasuredCallsExecutor(CostModelExecutor):
+    """The cost model's step with each call as a real run measured it: while the simulation makes
+    the run's plans (same shapes, step for step) a call takes the recorded ``model_s`` (the first
+    call after a rest included: the record has its extra), and the rest of the step, the wake
+    after a rest and the overhead, is the cost model's. What the simulator predicts where the
+    cost model is exact for that run, so a gap left between it and the real run is the loop's
+    (scheduling, admission, the step's overhead), not the calls' (benchmarks/ttft_side_by_side.py).
+    From the first step whose plan differs (``diverged_at``) every call is the cost model's."""
+
+    def __init__(self, cost_model: AnyCostModel, steps: Sequence) -> None:
+        super().__init__(cost_model)
+        self.steps = list(steps)  # StepRecord, or anything with plan and model_s
+        self.index = 0
+        self.diverged_at: int | None = None
+
+    def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:
+        i, self.index = self.index, self.index + 1
+        if self.diverged_at is None and (i >= len(self.steps) or _shape(plan) != _shape(self.steps[i].plan)):
+            self.diverged_at = i
+        if self.diverged_at is not None:
+            return super().execute(plan, requests, start_s)
+        before = self._idle_before if self._idle_s else self._before
+        self._idle_s = 0.0
+        duration = self.steps[i].model_s
+        end = start_s + before + duration
+        return StepResult(None, duration, end, end + self._after)
+
+    def decode_costs(self, num_decodes: int) -> None:
+        return None  # every step is matched against the record
+
+
+def _shape(plan: BatchPlan) -> tuple:
+    """A plan as a call's cost sees it: each entry's tokens, context and sampling, not the ids."""
+    return plan.num_tokens, plan.context_lens, plan.samples, plan.num_decodes
+
+
 class ConstantExecutor:
     """Every model call takes ``call_s``, plus ``overhead_s`` between steps: hand-computable runs."""
 

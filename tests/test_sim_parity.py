@@ -125,3 +125,22 @@ def test_a_simulated_steps_model_time_is_the_call_alone_as_the_real_one_is():
         assert step.end_s - step.start_s == pytest.approx(0.003 + step.model_s)
         label, call_start, call_s = step.trace_call
         assert call_start == pytest.approx(step.start_s + 0.003) and call_s == step.model_s
+
+
+@pytest.mark.parametrize("name", ["static", "continuous_preempting"])
+def test_the_measured_calls_executor_times_each_call_as_the_real_run_did(real_run, name):
+    """MeasuredCallsExecutor: the cost model's step with each call at its measured duration, while
+    the plans are the run's; from the first plan that differs, the cost model's calls."""
+    from sim.executors import MeasuredCallsExecutor
+
+    workload = replace(BURST, prompt=LengthDist(kind="uniform", low=4, high=40), seed=1)
+    real = real_run(name, workload)
+    cost = cost_model_from(step_overhead_s=2e-4, const=1e-3, prefill_tokens=2e-6, decode_tokens=3e-5)
+    executor = MeasuredCallsExecutor(cost, real.steps)
+    sim = simulate(make_requests(generate(workload)), CONFIGS[name], lambda: executor, keep_steps=True)
+    assert executor.diverged_at is None and [s.plan for s in sim.steps] == [s.plan for s in real.steps]
+    assert [s.model_s for s in sim.steps] == [s.model_s for s in real.steps]
+    cut = MeasuredCallsExecutor(cost, real.steps[:3])  # the record ends: the rest is the cost model's
+    sim = simulate(make_requests(generate(workload)), CONFIGS[name], lambda: cut, keep_steps=True)
+    assert cut.diverged_at == 3
+    assert [s.model_s for s in sim.steps[3:]] == pytest.approx([cost.predict(s.plan) for s in sim.steps[3:]])
