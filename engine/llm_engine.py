@@ -104,17 +104,26 @@ class Engine:
         """One iteration at ``now_s`` (on the runner's clock), or None when nothing is runnable."""
         return self.core.step(now_s, self.runner)
 
-    def run(self, requests: Iterable[Request]) -> RunResult:
-        """Replay requests at their ``arrival_s`` (seconds from now) and serve them all.
+    def run(self, requests: Iterable[Request], concurrency: int | None = None) -> RunResult:
+        """Replay requests at their ``arrival_s`` (seconds from now) and serve them all; with
+        ``concurrency`` (a closed-loop workload, engine.observe.workload.Workload.concurrency) that
+        many clients instead: the first ``concurrency`` requests arrive at once and each finish
+        issues the next at the finish's time, as the simulator's closed loop does (arrival times
+        are ignored).
 
         Every request is checked before the clock starts, so a bad one fails the run up front.
         """
         requests = list(requests)
         if len({r.request_id for r in requests}) != len(requests):
             raise ValueError("request ids in one run must be unique")
+        if concurrency is not None and concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1 (clients of a closed loop), got {concurrency}")
         for request in requests:
             self.validate(request)
-        for request in requests:
+        pending = iter(requests[concurrency:] if concurrency is not None else ())
+        for request in requests[:concurrency] if concurrency is not None else requests:
+            if concurrency is not None:
+                request.arrival_s = 0.0
             self.core.add(request)
         t0 = time.perf_counter()
 
@@ -131,6 +140,11 @@ class Engine:
                 if done is not None:
                     steps.append(done[0])
                     finished += done[1]
+                    for _ in done[1]:  # closed loop: each finish issues the next request, at its time
+                        request = next(pending, None)
+                        if request is not None:
+                            request.arrival_s = done[0].end_s
+                            core.add(request)
                     continue
                 next_arrival = core.arrivals.next_arrival_s
                 if next_arrival is None:

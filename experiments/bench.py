@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import hydra
@@ -19,7 +19,7 @@ from engine.loadgen.client import (BenchConfig, fetch_model_info, format_summary
                                    write_outputs)
 from engine.loadgen.vllm_args import vllm_to_overrides
 from engine.observe.results import Goodput, write_results_json
-from engine.observe.workload import WorkloadConfig, generate, make_requests
+from engine.observe.workload import Workload, WorkloadConfig, generate, make_requests
 from experiments.schema import register, to_object
 
 
@@ -32,16 +32,28 @@ class BenchApp:
 register("bench_schema", BenchApp)
 
 
+def closed_loop_cap(workload: Workload, cap: int | None) -> int | None:
+    """The client's cap on requests in flight: a closed loop's clients (``workload.concurrency``: all
+    requests ready at once, each finish frees a slot for the next), else ``bench.max_concurrency``."""
+    if workload.concurrency is None:
+        return cap
+    if cap is not None and cap != workload.concurrency:
+        raise ValueError(f"workload=closed_loop runs workload.concurrency={workload.concurrency} clients, and "
+                         f"bench.max_concurrency={cap} would cap them otherwise: set one of them")
+    return workload.concurrency
+
+
 def bench(app: BenchApp, out_dir: Path) -> dict:
     info = asyncio.run(fetch_model_info(app.bench.url))
-    workload = app.workload
-    requests = make_requests(generate(workload), vocab_size=prompt_vocab_size(info, app.bench), seed=workload.seed,
+    workload = generate(app.workload)
+    cfg = replace(app.bench, max_concurrency=closed_loop_cap(workload, app.bench.max_concurrency))
+    requests = make_requests(workload, vocab_size=prompt_vocab_size(info, cfg), seed=app.workload.seed,
                              prefix="bench")
-    result = asyncio.run(run_bench(requests, app.bench, model=info["id"]))
+    result = asyncio.run(run_bench(requests, cfg, model=info["id"]))
     write_outputs(result, out_dir)
     write_results_json(out_dir / "results.json", result.metrics, backend="openai", label="miniserve",
-                       model_id=info["id"], workload=workload, goodput=Goodput.parse(app.bench.goodput),
-                       max_concurrency=app.bench.max_concurrency)
+                       model_id=info["id"], workload=app.workload, goodput=Goodput.parse(cfg.goodput),
+                       max_concurrency=cfg.max_concurrency)
     return result.metrics
 
 

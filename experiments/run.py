@@ -54,8 +54,9 @@ def run_inprocess(app: RunApp, out_dir: Path) -> dict:
     engine = Engine(app.scheduler, app.model)
     if app.warmup:
         engine.warmup()
-    requests = make_requests(generate(app.workload), vocab_size=engine.runner.vocab_size, seed=app.workload.seed)
-    result = engine.run(requests)
+    workload = generate(app.workload)
+    requests = make_requests(workload, vocab_size=engine.runner.vocab_size, seed=app.workload.seed)
+    result = engine.run(requests, concurrency=workload.concurrency)  # closed loop: that many clients
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics = result.metrics(**Goodput.parse(app.goodput).seconds())
     write_metrics_json(metrics, out_dir / "metrics.json")
@@ -81,9 +82,11 @@ def run_server(app: RunApp, out_dir: Path) -> dict:
     with ServerProcess(app.model, app.scheduler, server, log_path=out_dir / "server.log") as proc:
         proc.wait_healthy(600.0)
         info = asyncio.run(fetch_model_info(proc.url))
-        requests = make_requests(generate(app.workload), vocab_size=info["vocab_size"], seed=app.workload.seed)
-        result = asyncio.run(run_bench(requests, BenchConfig(url=proc.url, progress=False, goodput=app.goodput),
-                                       model=info["id"]))
+        workload = generate(app.workload)
+        requests = make_requests(workload, vocab_size=info["vocab_size"], seed=app.workload.seed)
+        # a closed loop's clients are the client's cap: each finish frees a slot for the next request
+        bench = BenchConfig(url=proc.url, progress=False, goodput=app.goodput, max_concurrency=workload.concurrency)
+        result = asyncio.run(run_bench(requests, bench, model=info["id"]))
         if proc.stop() != 0:
             raise RuntimeError(f"the server exited badly; see {out_dir / 'server.log'}")
     write_outputs(result, out_dir)

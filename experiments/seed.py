@@ -80,15 +80,16 @@ def run_scheduler(model: ModelConfig, scheduler: SchedulerConfig, workload: Work
     engine = Engine(scheduler, model)
     if warmup:
         engine.warmup()
-    requests = make_requests(generate(workload), vocab_size=engine.runner.vocab_size, seed=workload.seed)
+    served = generate(workload)
+    requests = make_requests(served, vocab_size=engine.runner.vocab_size, seed=workload.seed)
     trace_path = out_dir / f"trace_{scheduler.name}.json"
     with MemoryStamp(engine.runner.device, engine.runner.decode_weights()) as memory:
         if profile:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                result = engine.run(requests)
+                result = engine.run(requests, served.concurrency)
             _export_model_regions(prof, trace_path)
         else:
-            result = engine.run(requests)
+            result = engine.run(requests, served.concurrency)
             write_chrome_trace(result.trace_calls(), trace_path)
     metrics = result.metrics()
     write_requests_csv(result.records, out_dir / "requests.csv")

@@ -50,8 +50,11 @@ def run_scheduler_http(app: SeedHttpApp, name: str, out_dir: Path) -> dict:
     with ServerProcess(app.model, scheduler, server, log_path=out_dir / "server.log") as proc:
         proc.wait_healthy(app.startup_timeout_s)
         info = asyncio.run(fetch_model_info(proc.url))
-        requests = make_requests(generate(app.workload), vocab_size=info["vocab_size"], seed=app.workload.seed)
-        result = asyncio.run(run_bench(requests, BenchConfig(url=proc.url, progress=False), model=info["id"]))
+        workload = generate(app.workload)
+        requests = make_requests(workload, vocab_size=info["vocab_size"], seed=app.workload.seed)
+        # a closed loop's clients are the client's cap
+        bench = BenchConfig(url=proc.url, progress=False, max_concurrency=workload.concurrency)
+        result = asyncio.run(run_bench(requests, bench, model=info["id"]))
         server_metrics = parse_prometheus(httpx.get(f"{proc.url}/metrics").text)
         exit_code = proc.stop()
     write_outputs(result, out_dir)

@@ -144,3 +144,37 @@ def test_the_measured_calls_executor_times_each_call_as_the_real_run_did(real_ru
     sim = simulate(make_requests(generate(workload)), CONFIGS[name], lambda: cut, keep_steps=True)
     assert cut.diverged_at == 3
     assert [s.model_s for s in sim.steps[3:]] == pytest.approx([cost.predict(s.plan) for s in sim.steps[3:]])
+
+
+def test_a_closed_loop_keeps_that_many_clients_in_the_engine_as_in_the_simulator():
+    """workload=closed_loop: the engine ran every request at once (make_requests drops the
+    workload's concurrency) while the simulator ran that many clients; now Engine.run takes it."""
+    from engine.llm_engine import Engine
+
+    workload = WorkloadConfig(arrival="closed_loop", concurrency=2, num_requests=8, seed=4,
+                              prompt=LengthDist(kind="uniform", low=4, high=20),
+                              output=LengthDist(kind="uniform", low=1, high=6))
+    served = generate(workload)
+    assert served.concurrency == 2
+    runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=4))
+    engine = Engine(CONFIGS["continuous"], runner.model_config, runner=runner)
+    real = engine.run(make_requests(served, vocab_size=runner.vocab_size, seed=4), concurrency=served.concurrency)
+    assert len(real.records) == 8
+    spans = [(r.arrival_s, r.token_times_s[-1]) for r in real.records]
+    in_flight = [sum(a <= t < f for a, f in spans) for t, _ in spans]  # at each arrival
+    assert max(in_flight) == 2 and sorted(a for a, _ in spans)[:2] == [0.0, 0.0]
+    finishes = {f for _, f in spans}
+    assert all(a in finishes for a, _ in spans if a > 0)  # each later request arrives at a finish
+    sim = simulate(make_requests(generate(workload)), CONFIGS["continuous"], lambda: ReplayExecutor(real.steps),
+                   concurrency=2, keep_steps=True)
+    assert [s.plan for s in sim.steps] == [s.plan for s in real.steps]
+
+
+def test_a_closed_loops_clients_are_the_bench_clients_cap():
+    from experiments.bench import closed_loop_cap
+
+    closed = generate(WorkloadConfig(arrival="closed_loop", concurrency=3, num_requests=5))
+    assert closed_loop_cap(closed, None) == closed_loop_cap(closed, 3) == 3
+    assert closed_loop_cap(generate(WorkloadConfig(arrival="poisson", rate=2.0, num_requests=5)), 4) == 4
+    with pytest.raises(ValueError, match="concurrency"):
+        closed_loop_cap(closed, 8)
