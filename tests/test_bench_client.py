@@ -63,3 +63,63 @@ def test_prompt_vocabulary_comes_from_the_server_or_the_config_and_a_server_with
     assert prompt_vocab_size(miniserve, BenchConfig(vocab_size=1000)) == 1000  # the config wins
     with pytest.raises(ValueError, match="bench.vocab_size"):
         prompt_vocab_size(vllm, BenchConfig())
+
+
+def _stream(*chunks: str):
+    """An OpenAI-compatible server answering every request with these SSE data lines."""
+    import httpx
+
+    body = "".join(f"data: {c}\n\n" for c in (*chunks, "[DONE]")).encode()
+    return httpx.MockTransport(lambda request: httpx.Response(200, content=body,
+                                                              headers={"content-type": "text/event-stream"}))
+
+
+def _send_one(transport) -> HttpRecord:
+    import asyncio
+    import time
+
+    import httpx
+
+    from engine.core.request import Request
+    from engine.loadgen.client import _send
+
+    async def go() -> HttpRecord:
+        rec = HttpRecord("r", 3, 5, 0.0)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            await _send(client, Request("r", [1, 2, 3], 5), rec, None, BenchConfig(), time.perf_counter())
+        return rec
+    return asyncio.run(go())
+
+
+def test_a_text_stream_is_timed_per_chunk_and_counted_by_its_usage_as_vllms_bench_does():
+    """vLLM's bench times every chunk with a choice (an empty text too: a special token) and takes
+    the output length from usage; counted per non-empty text, 5 tokens in 4 chunks were 3, and a
+    two-token chunk put a zero gap into ITL."""
+    rec = _send_one(_stream('{"choices": [{"text": "a"}]}', '{"choices": [{"text": ""}]}',
+                            '{"choices": [{"text": "bc"}]}', '{"choices": [{"text": "d", "finish_reason": "length"}]}',
+                            '{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}'))
+    assert rec.ok and rec.output_tokens == 5 and len(rec.token_times_s) == 4
+    out = rec.to_request_record()
+    assert out.output_tokens == 5 and len(out.itl_s) == 3
+    assert out.tpot_s == pytest.approx((rec.token_times_s[-1] - rec.token_times_s[0]) / 4)
+    m = bench_metrics([rec], 1.0, BenchConfig())
+    assert m["completed"] == 1 and m["failed"] == 0 and m["total_output_tokens"] == 5
+
+
+def test_token_ids_count_where_a_server_sends_no_usage():
+    rec = _send_one(_stream('{"choices": [{"text": "ab", "token_ids": [4, 5]}]}',
+                            '{"choices": [{"text": "c", "token_ids": [6], "finish_reason": "length"}]}'))
+    assert rec.ok and rec.output_tokens == 3 and rec.token_ids == [4, 5, 6] and len(rec.token_times_s) == 2
+
+
+@pytest.mark.parametrize("bad", ["[1, 2]", '"text"', '{"choices": 7}'])
+def test_a_chunk_that_is_no_completion_chunk_fails_that_request_not_the_benchmark(bad):
+    rec = _send_one(_stream('{"choices": [{"text": "a"}]}', bad))
+    assert not rec.ok and "not an OpenAI completion chunk" in rec.error
+
+
+def test_a_stream_that_finishes_without_a_token_is_failed_not_lost():
+    rec = _send_one(_stream('{"choices": [], "usage": {"completion_tokens": 0}}',
+                            '{"choices": [{"text": "", "finish_reason": "length"}]}'))
+    m = bench_metrics([rec], 1.0, BenchConfig())
+    assert (m["completed"], m["failed"]) == (0, 1)

@@ -61,7 +61,11 @@ class BenchConfig:
 
 @dataclass
 class HttpRecord:
-    """One request as the client saw it; times are seconds from the start of the run."""
+    """One request as the client saw it; times are seconds from the start of the run.
+    ``token_times_s`` holds when each streamed chunk that carried a choice arrived, as vLLM's bench
+    times a stream (a chunk may hold several tokens, or none: a special token's empty text), and
+    the tokens are counted apart: the usage the server reports, else the chunks' token ids, else
+    their non-empty texts."""
 
     request_id: str
     prompt_tokens: int
@@ -76,6 +80,14 @@ class HttpRecord:
     error: str | None = None
     server_timing: dict | None = None
     t0_abs: float = math.nan  # the client's perf_counter at the run's start
+    streamed_tokens: int | None = None  # counted from the chunks (None: as many as chunks)
+    usage_tokens: int | None = None  # usage.completion_tokens, where the server sent it
+
+    @property
+    def output_tokens(self) -> int:
+        if self.usage_tokens is not None:
+            return self.usage_tokens
+        return len(self.token_times_s) if self.streamed_tokens is None else self.streamed_tokens
 
     def same_host_split_s(self) -> tuple[float, float]:
         """(ingress, egress): client send → engine arrival, engine first token → client receipt.
@@ -88,14 +100,16 @@ class HttpRecord:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.finish_reason in FINISHED
+        """Finished, with a token (a stream that ends without one has no TTFT: failed, not lost)."""
+        return self.error is None and self.finish_reason in FINISHED and self.output_tokens > 0 \
+            and bool(self.token_times_s)
 
     def to_request_record(self) -> RequestRecord:
-        status = FINISHED.get(self.finish_reason, "FAILED") if self.error is None else "FAILED"
+        status = FINISHED.get(self.finish_reason, "FAILED") if self.ok else "FAILED"
         if self.status_code == 429:
             status = "REJECTED"
         return RequestRecord(self.request_id, self.send_s, math.nan, tuple(self.token_times_s),
-                             self.prompt_tokens, len(self.token_times_s), status=status)
+                             self.prompt_tokens, self.output_tokens if self.token_times_s else 0, status=status)
 
     def engine_ttft_e2e_s(self) -> tuple[float, float]:
         """TTFT and E2E as the engine measured them (from the server's accepting the request)."""
@@ -163,17 +177,25 @@ async def _send(client: httpx.AsyncClient, request: Request, record: HttpRecord,
                     break
                 now = time.perf_counter() - t0
                 chunk = json.loads(data)
+                if not isinstance(chunk, dict) or not isinstance(chunk.get("choices") or [], list):
+                    raise ValueError(f"a stream chunk is not an OpenAI completion chunk: {data[:80]!r}")
                 if "error" in chunk:
                     err = chunk["error"]
                     record.error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
-                for choice in chunk.get("choices") or ():
+                choices = [c for c in chunk.get("choices") or () if isinstance(c, dict)]
+                if choices:  # vLLM's bench times every chunk with a choice, its text empty or not
+                    record.token_times_s.append(now)
+                for choice in choices:
                     ids = choice.get("token_ids")
                     n = len(ids) if ids is not None else int(bool(choice.get("text")))  # text-only servers
                     record.token_ids += ids or []
-                    record.token_times_s += [now] * n
+                    record.streamed_tokens = (record.streamed_tokens or 0) + n
                     if choice.get("finish_reason"):
                         record.finish_reason = choice["finish_reason"]
                         record.server_timing = chunk.get("timing")
+                usage = chunk.get("usage")
+                if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                    record.usage_tokens = usage["completion_tokens"]
         record.end_s = time.perf_counter() - t0
     except (httpx.HTTPError, ValueError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
@@ -243,7 +265,7 @@ def write_outputs(result: BenchResult, out_dir: Path) -> None:
         for r in result.records:
             first = r.token_times_s[0] if r.token_times_s else math.nan
             w.writerow([r.request_id, r.scheduled_s, r.send_s, first, r.end_s, r.status_code, r.finish_reason,
-                        len(r.token_times_s), *r.engine_ttft_e2e_s(), *r.overhead_s(), *r.same_host_split_s(),
+                        r.output_tokens, *r.engine_ttft_e2e_s(), *r.overhead_s(), *r.same_host_split_s(),
                         r.error or ""])
 
 

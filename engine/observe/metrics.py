@@ -26,6 +26,11 @@ PERCENTILES = (50, 90, 99)
 
 @dataclass(frozen=True)
 class RequestRecord:
+    """One request's times. ``token_times_s``: when each output token came out (engine, simulator),
+    or each streamed chunk arrived (the HTTP client, as vLLM's bench times a stream: a chunk can
+    carry several tokens); ``output_tokens`` counts the tokens, so TPOT divides by tokens and ITL
+    is the gaps between those times, as vLLM's are."""
+
     request_id: str
     arrival_s: float
     first_scheduled_s: float
@@ -67,7 +72,7 @@ class RequestRecord:
 
     @property
     def tpot_s(self) -> float:
-        n = len(self.token_times_s)
+        n = self.output_tokens
         return (self.e2e_s - self.ttft_s) / (n - 1) if n > 1 else math.nan
 
     @property
@@ -111,7 +116,7 @@ def record_columns(records: Sequence[RequestRecord]) -> dict[str, np.ndarray]:
     return request_columns([r.arrival_s for r in records], [r.first_scheduled_s for r in records],
                            [r.token_times_s[0] if r.token_times_s else math.nan for r in records],
                            [r.finish_s for r in records], [r.prompt_tokens for r in records],
-                           [len(r.token_times_s) for r in records], [r.num_preemptions for r in records],
+                           [r.output_tokens for r in records], [r.num_preemptions for r in records],
                            [r.cached_tokens for r in records], [r.lookup_tokens for r in records])
 
 
