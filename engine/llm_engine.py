@@ -83,7 +83,10 @@ class Engine:
         self._prepare_runner()
 
     def validate(self, request: Request) -> None:
-        """Raise a clear ValueError for a request that could never be served."""
+        """Raise a clear ValueError for a request that could never be served. A request that
+        heeds EOS (``ignore_eos=False``) without naming its token gets the model's."""
+        if not request.ignore_eos and request.eos_token_id is None:
+            request.eos_token_id = self.runner.eos_token_id
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.runner.vocab_size]
         if bad:
             raise ValueError(f"request {request.request_id}: token ids {bad[:5]} are outside the vocabulary "
@@ -102,7 +105,23 @@ class Engine:
 
     def step(self, now_s: float) -> tuple[StepRecord, list[Request]] | None:
         """One iteration at ``now_s`` (on the runner's clock), or None when nothing is runnable."""
+        if self.runner.prefix_owner is not self.core and self.scheduler_config.enable_prefix_caching:
+            self.claim_runner()
         return self.core.step(now_s, self.runner)
+
+    def claim_runner(self) -> None:
+        """Make the runner's prefix store this engine's, where it caches prefixes. Engines may share
+        a runner one after the other; each one's block pool numbers its blocks from 0, so another
+        caching engine's run has overwritten whatever this one had cached there: its cache is
+        dropped (its blocks were all idle: a shared runner's KV slots serve one engine's
+        requests at a time)."""
+        runner = self.runner
+        if not self.scheduler_config.enable_prefix_caching or runner.prefix_owner is self.core:
+            return
+        if runner.prefix_owner is not None:
+            self.core.state.kv.drop_cached()
+        self._prepare_runner()
+        runner.prefix_owner = self.core
 
     def run(self, requests: Iterable[Request], concurrency: int | None = None) -> RunResult:
         """Replay requests at their ``arrival_s`` (seconds from now) and serve them all; with
@@ -120,6 +139,7 @@ class Engine:
             raise ValueError(f"concurrency must be >= 1 (clients of a closed loop), got {concurrency}")
         for request in requests:
             self.validate(request)
+        self.claim_runner()
         pending = iter(requests[concurrency:] if concurrency is not None else ())
         for request in requests[:concurrency] if concurrency is not None else requests:
             if concurrency is not None:

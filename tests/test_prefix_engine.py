@@ -102,3 +102,35 @@ def test_the_simulator_makes_the_real_runs_hits_and_plans(runner, seed, num_kv_b
         assert (rec.cached_tokens, rec.lookup_tokens) == (ref.cached_tokens, ref.lookup_tokens)
     for key in ("prefix_cache_hits", "prefix_cache_queries", "prefix_hit_requests"):
         assert sim.metrics()[key] == real.metrics()[key]
+
+
+def test_engines_sharing_a_runner_do_not_serve_each_others_cached_blocks(runner):
+    """Each engine's pool numbers its blocks from 0 in the runner's one prefix store: B's run wrote
+    over the blocks A had cached, and A then hit them with B's keys and values (a review: logits
+    0.39 off). The engine that runs now owns the store; another's cache is dropped."""
+    g = torch.Generator().manual_seed(5)
+    p, q = (torch.randint(0, 512, (16,), generator=g).tolist() for _ in range(2))
+    a, b = Engine(CACHING, runner.model_config, runner=runner), Engine(CACHING, runner.model_config, runner=runner)
+    a.run([Request("a1", p, 1)])
+    b.run([Request("b1", q, 1)])
+    a2 = Request("a2", p + [7, 8, 9], 3)
+    assert a.run([a2]).records[0].cached_tokens == 0  # dropped, not a hit on what b wrote
+    plain = Request("f", p + [7, 8, 9], 3)
+    Engine(replace(CACHING, enable_prefix_caching=False), runner.model_config, runner=runner).run([plain])
+    assert a2.output_token_ids == plain.output_token_ids
+    a3 = Request("a3", p + [7, 8, 9], 3)
+    assert a.run([a3]).records[0].cached_tokens > 0  # a's own cache works again (the other engine cached nothing)
+    assert a3.output_token_ids == plain.output_token_ids
+    with pytest.raises(ValueError, match="sliding"):  # and a window the ragged attention lacks is refused
+        from engine.model.runner import refuse_sliding_window
+        from transformers import Qwen2Config
+        refuse_sliding_window(Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=8,
+                                          max_window_layers=0))
+
+
+def test_a_request_that_heeds_eos_stops_at_the_models(runner):
+    engine = Engine(replace(CACHING, enable_prefix_caching=False), runner.model_config, runner=runner)
+    request = Request("e", [3, 4, 5], 4, ignore_eos=False)
+    engine.validate(request)
+    assert request.eos_token_id == runner.eos_token_id is not None
+    assert Request("i", [3], 4).eos_token_id is None  # ignore_eos (the default) leaves it out

@@ -155,6 +155,15 @@ class KVBlockPool:
                 self.evictable[block_id] = self.hash_of[block_id]
 
     # --- the prefix cache -----------------------------------------------------------------------
+    def drop_cached(self) -> None:
+        """Forget every cached block (their KV is no longer where the ids say: another engine's run
+        on a shared runner wrote there). Only idle blocks can be: a referenced one is an error."""
+        if len(self.evictable) != len(self.cached):
+            raise RuntimeError("cached blocks are in use by requests in flight; they cannot be dropped")
+        evicted = self.num_evicted
+        self._evict(len(self.evictable))
+        self.num_evicted = evicted  # not evictions: no request needed the room
+
     def lookup(self, hashes: Sequence[int]) -> list[int]:
         """Block ids of the longest cached prefix of a prompt's block hashes."""
         out = []

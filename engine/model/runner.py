@@ -50,6 +50,17 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def refuse_sliding_window(config) -> None:
+    """A model with sliding-window layers (``use_sliding_window``) would attend over every key here:
+    the ragged batch has no window, so its logits would be wrong past the window, silently."""
+    sliding = [i for i, kind in enumerate(getattr(config, "layer_types", None) or ()) if kind != "full_attention"]
+    if sliding:
+        raise ValueError(f"this model's layers {sliding[:4]}{'...' if len(sliding) > 4 else ''} use "
+                         f"{config.layer_types[sliding[0]]} (use_sliding_window=true, sliding_window="
+                         f"{getattr(config, 'sliding_window', None)}), which miniserve's ragged attention does not "
+                         f"implement; set use_sliding_window to false in config.json to serve it with full attention")
+
+
 class ModelRunner:
     """Owns the model and its KV slots; knows nothing about queues or policies."""
 
@@ -58,6 +69,7 @@ class ModelRunner:
         self.model_config = model_config = resolve(model_config)  # device and dtype concrete
         self.device = torch.device(model_config.device)
         self.model, self.tokenizer = load_model(model_config)
+        refuse_sliding_window(self.model.config)
         self.generic = generic or self.device.type != "cpu"
         self._lean = None
         if not self.generic:
@@ -90,6 +102,7 @@ class ModelRunner:
         self._slot_of: dict[str, int] = {}
         self.clock: Callable[[], float] = time.perf_counter  # what a step's end is stamped with
         self.prefix_store: PrefixKVStore | None = None  # cached prefix blocks' KV (prefix caching)
+        self.prefix_owner: object | None = None  # whose cached blocks the store holds (Engine.claim_runner)
         if scheduler_config.enable_prefix_caching:
             self.prepare_prefix_store(scheduler_config.num_kv_blocks, scheduler_config.block_size)
         freeze_startup_objects()
