@@ -57,6 +57,12 @@ class CalibrationConfig:
             raise ValueError(f"calibration.time_budget_s must be positive or null, got {self.time_budget_s!r}")
         if not 0.0 < self.heldout_fraction < 1.0:
             raise ValueError("calibration.heldout_fraction must be in (0, 1)")
+        if self.repeats is not None and self.repeats < 1:
+            raise ValueError(f"calibration.repeats must be >= 1 or null (the grid's own), got {self.repeats}")
+        if self.warmup < 0:
+            raise ValueError(f"calibration.warmup must be >= 0, got {self.warmup}")
+        if self.overhead_runs < 1:  # the step overhead and the engine calls come from these runs
+            raise ValueError(f"calibration.overhead_runs must be >= 1, got {self.overhead_runs}")
 
 
 @dataclass

@@ -251,8 +251,10 @@ class CostModel:
                                        f"{list(FEATURES)}; recalibrate")
         if len(self.coefficients) != len(FEATURES):
             raise ValueError(f"need {len(FEATURES)} coefficients, got {len(self.coefficients)}")
-        if any(c < 0 for c in self.coefficients) or self.step_overhead_s < 0 or self.kv_copy_s_per_token < 0:
-            raise ValueError("cost coefficients and step overhead must be non-negative")
+        # not >= 0: a NaN (a hand-edited or damaged profile) fails too, rather than every metric
+        if not all(c >= 0 for c in (*self.coefficients, self.step_overhead_s, self.kv_copy_s_per_token)) or \
+                not all(math.isfinite(c) for c in (*self.coefficients, self.step_overhead_s)):
+            raise ValueError("cost coefficients and step overhead must be finite and non-negative")
 
     def predict(self, plan: BatchPlan) -> float:
         """Duration of the model call that executes ``plan``, in seconds: the coefficients times

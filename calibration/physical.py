@@ -23,6 +23,7 @@ transfers. ``kv`` is K and V bytes per token over all layers, ``f`` the attentio
 from __future__ import annotations
 
 import json
+import math
 from bisect import bisect_right
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -80,6 +81,11 @@ class Machine:
 
     memory_gb_s: float
     matmul_gflops: float
+
+    def __post_init__(self) -> None:
+        if not (0 < self.memory_gb_s < math.inf and 0 < self.matmul_gflops < math.inf):
+            raise ValueError(f"a machine's limits must be finite and positive, got {self.memory_gb_s!r} GB/s and "
+                             f"{self.matmul_gflops!r} GFLOP/s")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -160,8 +166,8 @@ class PhysicalCostModel:
     def __post_init__(self) -> None:
         if len(self.coefficients) != len(PHYSICAL_FEATURES):
             raise ValueError(f"need {len(PHYSICAL_FEATURES)} coefficients, got {len(self.coefficients)}")
-        if any(c < 0 for c in self.coefficients) or self.step_overhead_s < 0 or self.kv_copy_efficiency < 0:
-            raise ValueError("efficiencies and step overhead must be non-negative")
+        if not all(0 <= c < math.inf for c in (*self.coefficients, self.step_overhead_s, self.kv_copy_efficiency)):
+            raise ValueError("efficiencies and step overhead must be finite and non-negative")
 
     @property
     def kv_copy_s_per_token(self) -> float:
@@ -251,8 +257,8 @@ class WhatIf:
     def __post_init__(self) -> None:
         for name in ("memory_gb_s", "matmul_gflops"):
             v = getattr(self, name)
-            if v is not None and not v > 0:
-                raise ValueError(f"calibration.what_if.{name} must be positive, got {v!r}")
+            if v is not None and not 0 < v < math.inf:
+                raise ValueError(f"calibration.what_if.{name} must be finite and positive, got {v!r}")
 
     @property
     def active(self) -> bool:

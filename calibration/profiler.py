@@ -127,6 +127,16 @@ class Robustness:
     # calibration with a time budget (CalibrationConfig.time_budget_s) sets it to what that leaves
     budget_s: float = 200.0
 
+    def __post_init__(self) -> None:
+        if self.max_retries < 0 or self.extra_rounds < 0:
+            raise ValueError(f"calibration.robust.max_retries and extra_rounds must be >= 0, got {self.max_retries} "
+                             f"and {self.extra_rounds}")
+        for name in ("wide_spread", "memory_drift"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"calibration.robust.{name} must be a positive fraction, got {getattr(self, name)!r}")
+        if not self.budget_s >= 0:  # 0: past the budget already, the base rounds only
+            raise ValueError(f"calibration.robust.budget_s must be >= 0, got {self.budget_s!r}")
+
 
 @dataclass
 class MeasureLog:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,23 @@ class CapacitySearch:
     slo_ttft_p99_s: float | None = None
     slo_tpot_p99_s: float | None = None
 
+    def __post_init__(self) -> None:
+        if not 0 < self.low < self.high < math.inf:
+            raise ValueError(f"capacity.low and capacity.high must be 0 < low < high, got {self.low} and {self.high}")
+        if not 0 < self.rel_tol < 1:
+            raise ValueError(f"capacity.rel_tol must be in (0, 1), got {self.rel_tol}")
+        for name in ("slo_ttft_p99_s", "slo_tpot_p99_s"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"capacity.{name} must be positive seconds, got {v}")
+        if self.enabled and self.slo_ttft_p99_s is None and self.slo_tpot_p99_s is None:
+            raise ValueError("capacity.enabled needs an SLO: capacity.slo_ttft_p99_s or capacity.slo_tpot_p99_s")
+
+    def check(self, workload: WorkloadConfig) -> None:
+        """Before any run: the search varies a Poisson or Gamma workload's rate."""
+        if self.enabled and workload.arrival not in ("poisson", "gamma"):
+            raise ValueError(f"capacity search varies the rate of poisson/gamma arrivals, not {workload.arrival!r}")
+
 
 @dataclass
 class Bands:
@@ -100,13 +118,14 @@ register("simulate_schema", SimulateApp)
 
 
 def run_app(app: SimulateApp, out_dir: Path) -> dict:
+    goodput = Goodput.parse(app.goodput)  # a typo fails here, not after the simulation
+    app.capacity.check(app.workload)
     what_if = app.calibration.what_if
     cost = load_cost_model(app.calibration.profile, app.model,
                            what_if=WhatIf(what_if.memory_gb_s, what_if.matmul_gflops))
     options = SimOptions(app.replicas, app.router, app.keep_token_times, app.trace, app.timeseries)
     log.info("core: %s", compiled_status())
     result = run_workload(cost, app.scheduler, app.workload, options)
-    goodput = Goodput.parse(app.goodput)
     metrics = write_outputs(result, out_dir, app.scheduler.max_num_seqs, goodput, cost)
     write_results_json(out_dir / "results.json", metrics, backend="miniserve-sim", label=app.scheduler.name,
                        model_id=app.model.path or app.model.name, workload=app.workload, goodput=goodput)
@@ -139,9 +158,9 @@ def run_app(app: SimulateApp, out_dir: Path) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="simulate")
 def main(cfg) -> None:
-    app: SimulateApp = to_object(cfg)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
+        app: SimulateApp = to_object(cfg)  # a value no config takes (num_requests=0): the same one-line error
         metrics = run_app(app, out_dir)
     except ValueError as err:  # a missing or mismatched profile, an impossible request: say so, no traceback
         print(f"error: {err}", file=sys.stderr)

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from calibration.cost_model import CostModel, other_device_warning
+from calibration.cost_model import CostModel, ProfileMismatchError, other_device_warning
 from calibration.physical import AnyCostModel, PhysicalCostModel, WhatIf, load_profile_for
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.core.model_shape import config_fingerprint, model_shape
@@ -46,7 +46,19 @@ def load_cost_model(profile: str | None, model: ModelConfig | None = None, run_o
             "`python -m experiments.calibrate model=... hydra.run.dir=DIR` and pass "
             "calibration.profile=DIR/profile.json")
     if not Path(profile).is_file():
-        raise MissingProfileError(f"calibration.profile={profile} does not exist")
+        raise MissingProfileError(f"calibration.profile={profile} does not exist (or is not a file)")
+    try:
+        return _load_cost_model(profile, model, run_on, what_if, physical)
+    except ProfileMismatchError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError) as exc:  # (bad JSON: a ValueError)
+        raise ProfileMismatchError(f"calibration.profile={profile} is not a calibration profile this version can "
+                                   f"read ({type(exc).__name__}: {exc}); run python -m experiments.calibrate for a "
+                                   f"new one") from exc
+
+
+def _load_cost_model(profile: str, model: ModelConfig | None, run_on: dict | None, what_if: WhatIf,
+                     physical: bool) -> AnyCostModel:
     if model is None:
         if what_if.active or physical:
             return PhysicalCostModel.from_profile(json.loads(Path(profile).read_text())).with_machine(

@@ -411,3 +411,22 @@ def test_a_call_timed_in_a_slow_spell_is_put_at_the_usual_bandwidth_by_its_memor
     assert out[3].times_s == pytest.approx((0.008 * 2 ** share[0],) * 8) and out[3].raw_times_s == (0.008,) * 8
     assert info["usual_weights_gb_s"] == 40.0 and info["call_stamps"] == 6 and info["engine_calls_stamped"] == 8
     assert at_usual_bandwidth([replace(ms[0], stamps_gb_s=())], shape, machine)[1] == {}
+
+
+@pytest.mark.parametrize("bad,name", [({"overhead_runs": 0}, "overhead_runs"), ({"repeats": 0}, "repeats"),
+                                      ({"warmup": -1}, "warmup")])
+def test_calibration_settings_that_would_fail_after_measuring_fail_before(bad, name):
+    """overhead_runs=0 measured the whole grid, then crashed on an empty percentile: no profile."""
+    from calibration.calibrate import CalibrationConfig
+
+    with pytest.raises(ValueError, match=name):
+        CalibrationConfig(**bad)
+
+
+@pytest.mark.parametrize("bad", [{"max_retries": -1}, {"wide_spread": float("nan")}, {"memory_drift": 0.0},
+                                 {"budget_s": -1.0}])
+def test_robustness_settings_are_checked(bad):
+    from calibration.profiler import Robustness
+
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        Robustness(**bad)

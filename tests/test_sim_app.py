@@ -152,3 +152,37 @@ def test_the_calls_own_noise_lifts_a_tail_off_its_median(tmp_path):
     assert noisy["tpot_p99"] / noisy["tpot_p50"] > plain_spread
     assert 0.7 < noisy["output_throughput"] / metrics["output_throughput_tok_s"] < 1.3
     assert json.loads((tmp_path / "a" / "metrics.json").read_text())["calls_noise"] == noisy
+
+
+@pytest.mark.parametrize("damage,why", [
+    (lambda text: text[:40], "JSONDecodeError"),  # truncated
+    (lambda text: "[1, 2]", "AttributeError"),  # JSON, not a profile
+    (lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "coefficients"}), "KeyError"),
+])
+def test_a_damaged_profile_is_named_not_a_traceback(tmp_path, damage, why):
+    (tmp_path / "p.json").write_text(damage(Path(tiny_profile(tmp_path / "good.json")).read_text()))
+    with pytest.raises(ProfileMismatchError, match=f"p.json is not a calibration profile.*{why}"):
+        run_app(composed("model=tiny", f"calibration.profile={tmp_path / 'p.json'}"), tmp_path / "out")
+
+
+def test_a_nan_in_a_profile_is_refused_not_simulated(tmp_path):
+    profile = json.loads(Path(tiny_profile(tmp_path / "p.json")).read_text())
+    profile["coefficients"][0] = float("nan")
+    (tmp_path / "nan.json").write_text(json.dumps(profile))  # json writes NaN
+    with pytest.raises(ProfileMismatchError, match="finite and non-negative"):
+        run_app(composed("model=tiny", f"calibration.profile={tmp_path / 'nan.json'}"), tmp_path / "out")
+
+
+def test_bad_settings_fail_before_the_simulation_with_one_line(tmp_path):
+    profile = tiny_profile(tmp_path / "p.json")
+    for args, message in ((["goodput=ttfb:500"], "unknown metric 'ttfb'"),
+                          (["workload.num_requests=0"], "num_requests must be >= 1"),
+                          (["calibration.what_if.memory_gb_s=inf"], "finite and positive"),
+                          (["workload=seed_burst", "capacity.enabled=true", "capacity.slo_ttft_p99_s=1"],
+                           "poisson/gamma")):
+        out = tmp_path / args[-1].replace("=", "_").replace(".", "_")
+        proc = subprocess.run([sys.executable, "-m", "experiments.simulate", "model=tiny",
+                               f"calibration.profile={profile}", *args, f"hydra.run.dir={out}"],
+                              capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert not (out / "metrics.json").exists()  # nothing ran

@@ -116,6 +116,8 @@ def test_clipped_lengths_are_counted(trace_path, caplog):
     ('{"timestamp": 0, "input_length": 10, "output_length": 5}\nnot json\n', "line 2: not JSON"),
     ("arrival_s,prompt_tokens,output_tokens\n", "holds no requests"),
     ("arrival_s,prompt_tokens,output_tokens\n0,0,5\n", "holds no requests"),
+    ("arrival_s,prompt_tokens,output_tokens\n0,10,5\ninf,10,5\n", "line 3: arrival time inf is not a finite"),
+    ("arrival_s,prompt_tokens,output_tokens\nnan,10,5\n", "line 2: arrival time nan is not a finite"),
 ])
 def test_a_bad_trace_is_a_clear_error(tmp_path, text, error):
     path = tmp_path / "bad.csv"
@@ -210,3 +212,9 @@ def test_placeholder_requests_are_the_workload_row_by_row():
     assert [(r.request_id, r.arrival_s, r.num_prompt_tokens) for r in with_ids] == \
         [(r.request_id, r.arrival_s, r.num_prompt_tokens) for r in reqs]
     assert all(isinstance(r.prompt_token_ids, list) and max(r.prompt_token_ids) < 100 for r in with_ids)
+
+
+@pytest.mark.parametrize("bad", [{"sigma": -1.0}, {"sigma": float("nan")}])
+def test_a_lognormal_sigma_must_be_a_finite_non_negative_number(bad):
+    with pytest.raises(ValueError, match="sigma"):
+        LengthDist(kind="lognormal", value=32, **bad)

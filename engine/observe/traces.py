@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -111,6 +112,8 @@ def _keep(path, line: int, p: int, o: int, skipped: dict[str, int]) -> bool:
 
 
 def _in_order(path, line: int, t: float, last: float) -> float:
+    if not math.isfinite(t):
+        raise ValueError(f"trace {path} line {line}: arrival time {t} is not a finite number")
     if t < last:
         raise ValueError(f"trace {path} line {line}: arrival {t} comes before the previous row's {last}")
     return t

@@ -7,6 +7,7 @@ requests for the same settings.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -57,6 +58,8 @@ class LengthDist:
             raise ValueError(f"uniform lengths need 1 <= low <= high, got [{self.low}, {self.high}]")
         if self.value < 1 or self.max < 1 or any(v < 1 for v in self.values):
             raise ValueError("token lengths must be >= 1")
+        if not 0 <= self.sigma < math.inf:
+            raise ValueError(f"a lognormal length's sigma must be finite and >= 0, got {self.sigma!r}")
 
     def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
         if self.kind == "fixed":
@@ -112,8 +115,9 @@ class WorkloadConfig:
             raise ValueError(f"workload.content must be one of {CONTENTS}, got {self.content!r}")
         if self.content != "random" and self.arrival in ("trace", "closed_loop"):
             raise ValueError(f"workload.content={self.content} needs an open-loop arrival (burst, poisson, gamma)")
-        if self.prefix_tokens < 0 or self.num_prefixes < 1 or self.turns < 1 or not self.turn_gap_s >= 0:
-            raise ValueError("workload.prefix_tokens must be >= 0, num_prefixes and turns >= 1, turn_gap_s >= 0")
+        if self.prefix_tokens < 0 or self.num_prefixes < 1 or self.turns < 1 or not 0 <= self.turn_gap_s < math.inf:
+            raise ValueError("workload.prefix_tokens must be >= 0, num_prefixes and turns >= 1, turn_gap_s finite "
+                             "and >= 0")
         if self.arrival not in ARRIVALS:
             raise ValueError(f"workload.arrival must be one of {ARRIVALS}, got {self.arrival!r}")
         if self.num_requests is None and self.arrival != "trace":
