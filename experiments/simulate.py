@@ -123,6 +123,10 @@ def run_app(app: SimulateApp, out_dir: Path) -> dict:
     what_if = app.calibration.what_if
     cost = load_cost_model(app.calibration.profile, app.model,
                            what_if=WhatIf(what_if.memory_gb_s, what_if.matmul_gflops))
+    if (app.bands.replicates or app.bands.calls_noise) and not (cost.info.get("noise") or {}).get("call_log"):
+        raise ValueError(f"calibration.profile={app.calibration.profile} holds no measured noise (a profile from "
+                         "before calibrations kept it): bands.replicates and bands.calls_noise would draw nothing "
+                         "and give bands of zero width; calibrate again, or leave them at 0")
     options = SimOptions(app.replicas, app.router, app.keep_token_times, app.trace, app.timeseries)
     log.info("core: %s", compiled_status())
     result = run_workload(cost, app.scheduler, app.workload, options)

@@ -132,6 +132,10 @@ def test_bands_from_the_profiles_noise_land_in_metrics_json(tmp_path):
         assert bands[name]["p5"] <= bands[name]["p50"] <= bands[name]["p95"]
     assert bands["e2e_p50"]["p95"] > bands["e2e_p50"]["p5"]  # the noise moves the metric
     assert json.loads((tmp_path / "a" / "metrics.json").read_text())["bands"] == bands
+    del data["noise"]  # a profile from before the noise was kept: refused, not a zero-width band
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="no measured noise"):
+        run_app(composed(*args), tmp_path / "c")
 
 
 def test_the_calls_own_noise_lifts_a_tail_off_its_median(tmp_path):
