@@ -81,6 +81,8 @@ def test_vllm_flags_become_overrides():
         "workload.prompt.value=256", "workload.prompt.kind=fixed",
         "workload.arrival=gamma", "workload.rate=4", "workload.burstiness=0.5"]
     assert vllm_to_overrides(["bench.url=u", "--port", "9000"]) == ["bench.url=u", "bench.url=http://127.0.0.1:9000"]
+    # as in vLLM, --base-url wins over --host and --port
+    assert vllm_to_overrides(["--port", "9000", "--base-url", "http://h:1"]) == ["bench.url=http://h:1"]
     assert vllm_to_overrides(["--request-rate", "inf"]) == ["workload.arrival=burst"]
     with pytest.raises(ValueError, match="unknown option --dataset-path"):
         vllm_to_overrides(["--dataset-path", "x.json"])

@@ -82,7 +82,9 @@ def vllm_to_overrides(argv: list[str]) -> list[str]:
             rate = value
         elif flag == "--burstiness":
             burstiness = value
-    if host is not None or port is not None:  # vLLM's defaults: 127.0.0.1, 8000
+    # vLLM's defaults: 127.0.0.1, 8000; --base-url, where given, wins over both (as in vLLM)
+    base_url = any(arg.split("=", 1)[0] == "--base-url" for arg in argv)
+    if (host is not None or port is not None) and not base_url:
         overrides.append(f"bench.url=http://{host or '127.0.0.1'}:{port or 8000}")
     if rate is not None and rate.lower() != "inf":
         overrides += [f"workload.arrival={'poisson' if burstiness in (None, '1', '1.0') else 'gamma'}",
