@@ -1,9 +1,11 @@
-# Everything a fresh machine needs. torch comes first, pinned to the CPU build on this machine's
-# disk, so the project's own install finds it satisfied and never downloads a CUDA build.
+# Everything a fresh machine needs. torch comes first, pinned, so the project's own install finds
+# it satisfied: the build pip finds for the pin (here the CPU wheel in pip's find-links; where pip
+# would take PyPI's CUDA build, TORCH_PIP_ARGS=--index-url=https://download.pytorch.org/whl/cpu).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
 # pyproject's optional extras; CI adds ray (EXTRAS=dev,ray) so the Ray launcher's test runs.
 EXTRAS ?= dev
 comma := ,
@@ -16,7 +18,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q "$(TORCH)" $(TORCH_PIP_ARGS)
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
