@@ -22,6 +22,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -119,6 +120,15 @@ def _in_order(path, line: int, t: float, last: float) -> float:
     return t
 
 
+def _date_s(raw: str) -> float:
+    """An Azure trace's timestamp in seconds. Its fractions have 7 digits, which Python 3.10's
+    fromisoformat refuses (3.11 takes any): cut to microseconds first."""
+    return datetime.fromisoformat(_FRACTION.sub(lambda m: m.group(0)[:7], raw.strip())).timestamp()
+
+
+_FRACTION = re.compile(r"\.\d{7,}")
+
+
 def _csv_rows(path: str | Path, fmt: str):
     t_col, p_col, o_col, unit = CSV_FORMATS[fmt]
     last = -float("inf")
@@ -126,7 +136,7 @@ def _csv_rows(path: str | Path, fmt: str):
         for line, r in enumerate(csv.DictReader(f), start=2):
             try:
                 raw = r[t_col]
-                t = datetime.fromisoformat(raw.strip()).timestamp() if unit == "date" else float(raw) * unit
+                t = _date_s(raw) if unit == "date" else float(raw) * unit
                 p, o = int(r[p_col]), int(r[o_col])
             except (TypeError, ValueError, AttributeError):
                 what = "a date" if unit == "date" else "a time"
