@@ -218,3 +218,14 @@ def test_placeholder_requests_are_the_workload_row_by_row():
 def test_a_lognormal_sigma_must_be_a_finite_non_negative_number(bad):
     with pytest.raises(ValueError, match="sigma"):
         LengthDist(kind="lognormal", value=32, **bad)
+
+
+@pytest.mark.parametrize("arrival", ["poisson", "gamma"])
+def test_open_loop_arrivals_end_at_n_over_rate_as_vllms_bench_sends_them(arrival):
+    """vLLM's get_request draws a gap before every request, the first too, and scales their sum so
+    the last request is sent at n / rate: a short run offers the rate asked for, whatever the
+    seed (unscaled, 16 requests at 4/s ended at 3.67 s on average, 2.96-7.12 req/s across seeds)."""
+    for seed in range(5):
+        wl = generate(WorkloadConfig(arrival=arrival, num_requests=16, rate=4.0, burstiness=0.25, seed=seed))
+        assert wl.arrival_s[-1] == pytest.approx(4.0) and wl.arrival_s[0] > 0
+        assert (np.diff(wl.arrival_s) >= 0).all()

@@ -78,7 +78,9 @@ class LengthDist:
 @dataclass(frozen=True)
 class WorkloadConfig:
     """``burst``: all at t=0; ``poisson`` at ``rate`` req/s; ``gamma`` at ``rate`` with
-    ``burstiness`` (gamma shape: 1 is Poisson, < 1 burstier); ``trace``: a CSV of
+    ``burstiness`` (gamma shape: 1 is Poisson, < 1 burstier), both as ``vllm bench serve`` sends
+    them: a drawn gap before each request, the first too, all scaled so the last arrives at
+    ``num_requests / rate`` (a short run offers the rate asked for); ``trace``: a CSV of
     arrival_s, prompt_tokens, output_tokens whose times are divided by ``time_scale``
     and lengths multiplied by ``length_scale`` (to fit a CPU), every row replayed unless
     ``num_requests`` is set (then the first ones); ``closed_loop``: ``concurrency``
@@ -207,11 +209,10 @@ def generate(cfg: WorkloadConfig) -> Workload:
     n = cfg.num_requests
     if cfg.arrival in ("burst", "closed_loop"):
         arrival = np.zeros(n)
-    else:
+    else:  # as vLLM's bench (get_request): n gaps from the first request on, scaled to end at n / rate
         shape = 1.0 if cfg.arrival == "poisson" else cfg.burstiness
-        gaps = rng.gamma(shape, 1.0 / (cfg.rate * shape), n)
-        gaps[0] = 0.0
-        arrival = np.cumsum(gaps)
+        arrival = np.cumsum(rng.gamma(shape, 1.0 / (cfg.rate * shape), n))
+        arrival *= (n / cfg.rate) / arrival[-1]
     concurrency = cfg.concurrency if cfg.arrival == "closed_loop" else None
     if cfg.content == "multi_turn":
         return _multi_turn(cfg, arrival, rng)
