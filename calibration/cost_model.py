@@ -180,7 +180,9 @@ class AfterIdle:
         """From a profile's info; profiles from before the idle lengths have one, older ones none (a
         length of 0 or less would be no idle, and is left out)."""
         step = info.get("step_overhead") or {}
-        wake, before = step.get("idle_wake_median_s", 0.0), step.get("idle_before_call_median_s")
+        wake, before = step.get("idle_wake_median_s"), step.get("idle_before_call_median_s")
+        wake = wake if isinstance(wake, (int, float)) and 0 <= wake < math.inf else 0.0  # unmeasured: none
+        before = before if isinstance(before, (int, float)) and 0 <= before < math.inf else None
         part = info.get("after_idle")
         if not part:
             return cls(wake_s=wake, before_call_s=before)
@@ -254,7 +256,7 @@ class CostModel:
         # not >= 0: a NaN (a hand-edited or damaged profile) fails too, rather than every metric
         if not all(c >= 0 for c in (*self.coefficients, self.step_overhead_s, self.kv_copy_s_per_token)) or \
                 not all(math.isfinite(c) for c in (*self.coefficients, self.step_overhead_s)):
-            raise ValueError("cost coefficients and step overhead must be finite and non-negative")
+            raise ProfileMismatchError("cost coefficients and step overhead must be finite and non-negative")
 
     def predict(self, plan: BatchPlan) -> float:
         """Duration of the model call that executes ``plan``, in seconds: the coefficients times

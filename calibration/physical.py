@@ -167,7 +167,7 @@ class PhysicalCostModel:
         if len(self.coefficients) != len(PHYSICAL_FEATURES):
             raise ValueError(f"need {len(PHYSICAL_FEATURES)} coefficients, got {len(self.coefficients)}")
         if not all(0 <= c < math.inf for c in (*self.coefficients, self.step_overhead_s, self.kv_copy_efficiency)):
-            raise ValueError("efficiencies and step overhead must be finite and non-negative")
+            raise ProfileMismatchError("efficiencies and step overhead must be finite and non-negative")
 
     @property
     def kv_copy_s_per_token(self) -> float:

@@ -394,7 +394,7 @@ class OverheadSummary:
     # the first step after the engine sat idle (measure_idle_steps): from the arrival that ends the
     # rest to the step's start (the loop's sleep overshooting), then to its model call
     idle_wake_median_s: float = 0.0
-    idle_before_call_median_s: float = 0.0
+    idle_before_call_median_s: float | None = None  # None: none measured (a busy step's then)
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "samples_s": list(self.samples_s)}
@@ -455,15 +455,18 @@ def measure_engine_runs(runner: ModelRunner, max_num_seqs: int, runs: int = 3,
                          stamps_gb_s=() if None in stamps[shape] else tuple(stamps[shape]))
              for shape, ts in times.items()]
     arr = np.asarray(overheads)
-    wake, idle_before = measure_idle_steps(engine)
+    # the rests must outlast a step, or the engine never sits idle between them
+    wake, idle_before = measure_idle_steps(engine, gap_s=max(IDLE_STEP_GAP_S, 2 * max(s.end_s - s.start_s
+                                                                                      for s in result.steps)))
     summary = OverheadSummary(float(np.median(arr)), float(arr.mean()), float(np.percentile(arr, 90)), len(arr),
                               float(arr.sum() / busy), float(np.median(before)), tuple(float(x) for x in arr),
-                              float(np.median(wake)), float(np.median(idle_before)))
+                              float(np.median(wake)) if wake else 0.0,
+                              float(np.median(idle_before)) if idle_before else None)
     return summary, calls
 
 
 IDLE_STEPS = 8  # one-step requests, each arriving after the engine has sat idle ...
-IDLE_STEP_GAP_S = 0.2  # ... this long (the calibration's time budget sets their sleeps aside)
+IDLE_STEP_GAP_S = 0.2  # ... this long at least (the calibration's time budget sets their sleeps aside)
 
 
 def measure_idle_steps(engine: Engine, steps: int = IDLE_STEPS, gap_s: float = IDLE_STEP_GAP_S

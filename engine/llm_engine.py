@@ -105,7 +105,7 @@ class Engine:
 
     def step(self, now_s: float) -> tuple[StepRecord, list[Request]] | None:
         """One iteration at ``now_s`` (on the runner's clock), or None when nothing is runnable."""
-        if self.runner.prefix_owner is not self.core and self.scheduler_config.enable_prefix_caching:
+        if self.scheduler_config.enable_prefix_caching and self.runner.prefix_owner is not self.core:
             self.claim_runner()
         return self.core.step(now_s, self.runner)
 

@@ -49,9 +49,7 @@ def load_cost_model(profile: str | None, model: ModelConfig | None = None, run_o
         raise MissingProfileError(f"calibration.profile={profile} does not exist (or is not a file)")
     try:
         return _load_cost_model(profile, model, run_on, what_if, physical)
-    except ProfileMismatchError:
-        raise
-    except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError) as exc:  # (bad JSON: a ValueError)
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ZeroDivisionError) as exc:
         raise ProfileMismatchError(f"calibration.profile={profile} is not a calibration profile this version can "
                                    f"read ({type(exc).__name__}: {exc}); run python -m experiments.calibrate for a "
                                    f"new one") from exc

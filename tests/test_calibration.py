@@ -430,3 +430,20 @@ def test_robustness_settings_are_checked(bad):
 
     with pytest.raises(ValueError, match=next(iter(bad))):
         Robustness(**bad)
+
+
+def test_idle_steps_come_from_rests_only_and_none_measured_is_no_nan():
+    """measure_idle_steps takes only steps that follow a rest; where a step outlasts the gap there
+    is none, and the profile must then say so (the busy step's time), not carry NaN into every
+    simulated step after a rest."""
+    from calibration.cost_model import AfterIdle
+    from calibration.profiler import measure_idle_steps
+    from engine.core.config import SchedulerConfig
+    from engine.llm_engine import Engine
+
+    engine = Engine(SchedulerConfig(max_num_seqs=2), ModelConfig(name="tiny"))
+    wake, before = measure_idle_steps(engine, steps=3, gap_s=0.05)
+    assert len(wake) == len(before) == 3 and min(wake) >= 0 and min(before) > 0
+    assert measure_idle_steps(engine, steps=3, gap_s=0.0) == ([], [])  # all at once: no rest
+    unmeasured = AfterIdle.of({"step_overhead": {"idle_wake_median_s": float("nan"), "idle_before_call_median_s": None}})
+    assert (unmeasured.wake_s, unmeasured.before_call_s) == (0.0, None)

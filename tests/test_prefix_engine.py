@@ -121,16 +121,23 @@ def test_engines_sharing_a_runner_do_not_serve_each_others_cached_blocks(runner)
     a3 = Request("a3", p + [7, 8, 9], 3)
     assert a.run([a3]).records[0].cached_tokens > 0  # a's own cache works again (the other engine cached nothing)
     assert a3.output_token_ids == plain.output_token_ids
-    with pytest.raises(ValueError, match="sliding"):  # and a window the ragged attention lacks is refused
-        from engine.model.runner import refuse_sliding_window
-        from transformers import Qwen2Config
+
+
+def test_sliding_window_layers_are_refused_not_run_as_full_attention():
+    from transformers import Qwen2Config
+
+    from engine.model.runner import refuse_sliding_window
+
+    with pytest.raises(ValueError, match="sliding_attention .*use_sliding_window"):
         refuse_sliding_window(Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=8,
                                           max_window_layers=0))
+    refuse_sliding_window(Qwen2Config(num_hidden_layers=2))  # full attention everywhere: served
 
 
-def test_a_request_that_heeds_eos_stops_at_the_models(runner):
+def test_a_request_that_heeds_eos_gets_the_models_eos_id(runner):
+    """Through the Python API a request with ignore_eos=False but no EOS id never stopped at EOS."""
     engine = Engine(replace(CACHING, enable_prefix_caching=False), runner.model_config, runner=runner)
-    request = Request("e", [3, 4, 5], 4, ignore_eos=False)
-    engine.validate(request)
-    assert request.eos_token_id == runner.eos_token_id is not None
-    assert Request("i", [3], 4).eos_token_id is None  # ignore_eos (the default) leaves it out
+    heeds, ignores = Request("e", [3, 4, 5], 4, ignore_eos=False), Request("i", [3, 4, 5], 4)
+    engine.validate(heeds)
+    engine.validate(ignores)
+    assert heeds.eos_token_id == runner.eos_token_id is not None and ignores.eos_token_id is None

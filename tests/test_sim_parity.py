@@ -168,6 +168,10 @@ def test_a_closed_loop_keeps_that_many_clients_in_the_engine_as_in_the_simulator
     sim = simulate(make_requests(generate(workload)), CONFIGS["continuous"], lambda: ReplayExecutor(real.steps),
                    concurrency=2, keep_steps=True)
     assert [s.plan for s in sim.steps] == [s.plan for s in real.steps]
+    few = make_requests(generate(replace(workload, num_requests=2)), vocab_size=runner.vocab_size)
+    assert len(engine.run(few, concurrency=5).records) == 2  # more clients than requests: all at once
+    with pytest.raises(ValueError, match="concurrency must be >= 1"):
+        engine.run(make_requests(generate(workload), vocab_size=runner.vocab_size), concurrency=0)
 
 
 def test_a_closed_loops_clients_are_the_bench_clients_cap():

@@ -229,3 +229,7 @@ def test_open_loop_arrivals_end_at_n_over_rate_as_vllms_bench_sends_them(arrival
         wl = generate(WorkloadConfig(arrival=arrival, num_requests=16, rate=4.0, burstiness=0.25, seed=seed))
         assert wl.arrival_s[-1] == pytest.approx(4.0) and wl.arrival_s[0] > 0
         assert (np.diff(wl.arrival_s) >= 0).all()
+    # a tiny shape's draws can underflow to exactly 0: then the requests arrive at once, not at NaN
+    tiny = [generate(WorkloadConfig(arrival="gamma", num_requests=1, rate=2.0, burstiness=1e-3, seed=s)).arrival_s
+            for s in range(20)]
+    assert all(np.isfinite(a).all() for a in tiny) and any(a[0] == 0 for a in tiny)

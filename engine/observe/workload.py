@@ -212,7 +212,8 @@ def generate(cfg: WorkloadConfig) -> Workload:
     else:  # as vLLM's bench (get_request): n gaps from the first request on, scaled to end at n / rate
         shape = 1.0 if cfg.arrival == "poisson" else cfg.burstiness
         arrival = np.cumsum(rng.gamma(shape, 1.0 / (cfg.rate * shape), n))
-        arrival *= (n / cfg.rate) / arrival[-1]
+        if arrival[-1] > 0:  # (a tiny shape's draws can all underflow to 0: then all at once)
+            arrival *= (n / cfg.rate) / arrival[-1]
     concurrency = cfg.concurrency if cfg.arrival == "closed_loop" else None
     if cfg.content == "multi_turn":
         return _multi_turn(cfg, arrival, rng)
