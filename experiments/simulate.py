@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from experiments.schema import register, to_object
 from engine.observe.metrics import write_metrics_json
 from sim import workload_requests
 from sim.bands import CALLS_ONLY, bands, replicates
+from sim.capacity import check_search, check_settings
 from sim.run import SimOptions, find_capacity, load_cost_model, run_workload, write_outputs
 
 log = logging.getLogger(__name__)
@@ -67,21 +67,12 @@ class CapacitySearch:
     slo_tpot_p99_s: float | None = None
 
     def __post_init__(self) -> None:
-        if not 0 < self.low < self.high < math.inf:
-            raise ValueError(f"capacity.low and capacity.high must be 0 < low < high, got {self.low} and {self.high}")
-        if not 0 < self.rel_tol < 1:
-            raise ValueError(f"capacity.rel_tol must be in (0, 1), got {self.rel_tol}")
-        for name in ("slo_ttft_p99_s", "slo_tpot_p99_s"):
-            v = getattr(self, name)
-            if v is not None and not v > 0:
-                raise ValueError(f"capacity.{name} must be positive seconds, got {v}")
-        if self.enabled and self.slo_ttft_p99_s is None and self.slo_tpot_p99_s is None:
-            raise ValueError("capacity.enabled needs an SLO: capacity.slo_ttft_p99_s or capacity.slo_tpot_p99_s")
+        check_settings(self.low, self.high, self.rel_tol, self.slo_ttft_p99_s, self.slo_tpot_p99_s)
 
     def check(self, workload: WorkloadConfig) -> None:
-        """Before any run: the search varies a Poisson or Gamma workload's rate."""
-        if self.enabled and workload.arrival not in ("poisson", "gamma"):
-            raise ValueError(f"capacity search varies the rate of poisson/gamma arrivals, not {workload.arrival!r}")
+        """Before any run, what the search will refuse."""
+        if self.enabled:
+            check_search(workload, self.slo_ttft_p99_s, self.slo_tpot_p99_s)
 
 
 @dataclass

@@ -8,6 +8,7 @@ non-monotone region is visible.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -38,16 +39,34 @@ def meets(metrics: dict, slo_ttft_p99_s: float | None, slo_tpot_p99_s: float | N
             and (slo_tpot_p99_s is None or tpot != tpot or tpot <= slo_tpot_p99_s))  # NaN: no TPOT
 
 
+def check_settings(low: float, high: float, rel_tol: float, slo_ttft_p99_s: float | None,
+                   slo_tpot_p99_s: float | None) -> None:
+    """The search's bounds and SLOs, checkable before any run (experiments.simulate checks them
+    when its config is built, search_capacity again)."""
+    if not 0 < low < high < math.inf:
+        raise ValueError(f"capacity.low and capacity.high must be 0 < low < high, got {low} and {high}")
+    if not 0 < rel_tol < 1:
+        raise ValueError(f"capacity.rel_tol must be in (0, 1), got {rel_tol}")
+    for name, v in (("slo_ttft_p99_s", slo_ttft_p99_s), ("slo_tpot_p99_s", slo_tpot_p99_s)):
+        if v is not None and not v > 0:
+            raise ValueError(f"capacity.{name} must be positive seconds, got {v}")
+
+
+def check_search(workload: WorkloadConfig, slo_ttft_p99_s: float | None, slo_tpot_p99_s: float | None) -> None:
+    """What else a search needs: an SLO to meet, and a Poisson or Gamma rate to vary."""
+    if slo_ttft_p99_s is None and slo_tpot_p99_s is None:
+        raise ValueError("capacity search needs at least one SLO (p99 TTFT or p99 TPOT): capacity.slo_ttft_p99_s "
+                         "or capacity.slo_tpot_p99_s")
+    if workload.arrival not in ("poisson", "gamma"):
+        raise ValueError(f"capacity search varies the rate of poisson/gamma arrivals, not {workload.arrival!r}")
+
+
 def search_capacity(run: Callable[[WorkloadConfig], dict], workload: WorkloadConfig, low: float, high: float,
                     slo_ttft_p99_s: float | None = None, slo_tpot_p99_s: float | None = None,
                     rel_tol: float = 0.02, max_probes: int = 30) -> CapacityResult:
     """Bisect ``workload.rate`` in [low, high]; ``run(workload) -> metrics`` is one simulated run."""
-    if not 0 < low < high:
-        raise ValueError(f"need 0 < low < high, got [{low}, {high}]")
-    if workload.arrival not in ("poisson", "gamma"):
-        raise ValueError(f"capacity search varies the rate of poisson/gamma arrivals, not {workload.arrival!r}")
-    if slo_ttft_p99_s is None and slo_tpot_p99_s is None:
-        raise ValueError("capacity search needs at least one SLO (p99 TTFT or p99 TPOT)")
+    check_settings(low, high, rel_tol, slo_ttft_p99_s, slo_tpot_p99_s)
+    check_search(workload, slo_ttft_p99_s, slo_tpot_p99_s)
     result = CapacityResult(rate=None)
 
     def probe(rate: float) -> bool:
