@@ -25,11 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, n
 
 from calibration.cost_model import CostModel  # noqa: E402
 from engine.core.config import SchedulerConfig  # noqa: E402
-from engine.core.plan import BatchPlan  # noqa: E402
-from engine.core.engine_core import StepRecord  # noqa: E402
 from sim.executors import CostModelExecutor, MeasuredCallsExecutor  # noqa: E402
 from sim.simulator import simulate  # noqa: E402
-from experiments.validate import replay_requests  # noqa: E402
+from experiments.validate import recorded_steps, replay_requests  # noqa: E402
 
 
 def med(xs) -> float:
@@ -63,9 +61,7 @@ def main() -> None:
         measured_ttft, diverged = [], []
         for run in rr:
             real_ttft.append(med([t - a for _, a, _, t in run["first_tokens"]]))
-            records = [StepRecord(BatchPlan.of("replay", [f"q{j}" for j in range(len(tokens))], tokens, contexts,
-                                               samples, nd), start, end, model)
-                       for _, start, end, model, tokens, contexts, samples, nd in run["steps"]]
+            records = recorded_steps(run)
             executor = MeasuredCallsExecutor(cost, records)
             oracle = simulate(replay_requests(run["replay"], config.enable_prefix_caching), config, lambda: executor)
             measured_ttft.append(oracle.metrics()["ttft_s"]["p50"])
@@ -73,15 +69,13 @@ def main() -> None:
                 diverged.append(executor.diverged_at)
             wait += [f - a for _, a, f, _ in run["first_tokens"]]
             serve += [t - f for _, _, f, t in run["first_tokens"]]
-            steps = run["steps"]
-            for k, (label, start, end, model, tokens, contexts, samples, nd) in enumerate(steps):
-                plan = BatchPlan.of("replay", [f"q{j}" for j in range(len(tokens))], tokens, contexts, samples, nd)
-                prev_end = steps[k - 1][2] if k else -1.0
-                ratio = model / cost.predict(plan)
-                (idle_ratio if k == 0 or start - prev_end > args.idle_s else busy_ratio).append(ratio)
-                before.append(end - model - start)
-                if k + 1 < len(steps):
-                    after.append(steps[k + 1][1] - end)
+            for k, st in enumerate(records):
+                prev_end = records[k - 1].end_s if k else -1.0
+                ratio = st.model_s / cost.predict(st.plan)
+                (idle_ratio if k == 0 or st.start_s - prev_end > args.idle_s else busy_ratio).append(ratio)
+                before.append(st.end_s - st.model_s - st.start_s)
+                if k + 1 < len(records):
+                    after.append(records[k + 1].start_s - st.end_s)
         sim_ttft = med([t - a for a, _, t in s_first.values()])
         s_wait = med([f - a for a, f, _ in s_first.values()])
         s_serve = med([t - f for _, f, t in s_first.values()])

@@ -70,6 +70,7 @@ from calibration.noise import RunNoise, calibration_stamps, calls_gb_s
 from calibration.physical import AnyCostModel, PhysicalCostModel, at_run_bandwidth
 from calibration.roofline import MemoryStamp
 from engine.core.config import ModelConfig, SchedulerConfig
+from engine.core.engine_core import StepRecord
 from engine.core.plan import BatchPlan
 from engine.core.request import Request
 from engine.observe.trace import parse_label, summarize_calls
@@ -401,9 +402,14 @@ def run_calls_gb_s(physical: PhysicalCostModel | None, run: dict) -> float | Non
     """The bandwidth a real run's calls saw (calibration.noise.calls_gb_s), from its recorded steps."""
     if physical is None:
         return None
-    calls = [(BatchPlan.of("replay", [f"q{j}" for j in range(len(tokens))], tokens, contexts, samples, decodes), model)
-             for _, _, _, model, tokens, contexts, samples, decodes in run["steps"]]
-    return calls_gb_s(physical, calls)
+    return calls_gb_s(physical, [(st.plan, st.model_s) for st in recorded_steps(run)])
+
+
+def recorded_steps(run: dict) -> list[StepRecord]:
+    """A real run's steps as real_runs.json keeps them, with their plans' shapes (ids are placeholders)."""
+    return [StepRecord(BatchPlan.of("replay", [f"q{j}" for j in range(len(tokens))], tokens, contexts, samples,
+                                    decodes), start, end, model)
+            for _, start, end, model, tokens, contexts, samples, decodes in run["steps"]]
 
 
 def row_run_noise(cost: AnyCostModel, runs: list[dict], row: int, draw: str, history: str = "calls") -> RunNoise:
