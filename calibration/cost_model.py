@@ -180,9 +180,8 @@ class AfterIdle:
         """From a profile's info; profiles from before the idle lengths have one, older ones none (a
         length of 0 or less would be no idle, and is left out)."""
         step = info.get("step_overhead") or {}
-        wake, before = step.get("idle_wake_median_s"), step.get("idle_before_call_median_s")
-        wake = wake if isinstance(wake, (int, float)) and 0 <= wake < math.inf else 0.0  # unmeasured: none
-        before = before if isinstance(before, (int, float)) and 0 <= before < math.inf else None
+        wake = _seconds(step.get("idle_wake_median_s")) or 0.0  # unmeasured: none
+        before = _seconds(step.get("idle_before_call_median_s"))
         part = info.get("after_idle")
         if not part:
             return cls(wake_s=wake, before_call_s=before)
@@ -204,6 +203,11 @@ class AfterIdle:
         lo, hi = math.log(self.idle_s[i]), math.log(self.idle_s[i + 1])
         share = (math.log(idle_s) - lo) / (hi - lo)
         return self.extra_s[i] + share * (self.extra_s[i + 1] - self.extra_s[i])
+
+
+def _seconds(value: object) -> float | None:
+    """A profile's measured duration, or None where it holds none (absent, null, NaN, negative)."""
+    return float(value) if isinstance(value, (int, float)) and 0 <= value < math.inf else None
 
 
 def stamped_gb_s(stamp: dict | None) -> float | None:
@@ -253,9 +257,8 @@ class CostModel:
                                        f"{list(FEATURES)}; recalibrate")
         if len(self.coefficients) != len(FEATURES):
             raise ValueError(f"need {len(FEATURES)} coefficients, got {len(self.coefficients)}")
-        # not >= 0: a NaN (a hand-edited or damaged profile) fails too, rather than every metric
-        if not all(c >= 0 for c in (*self.coefficients, self.step_overhead_s, self.kv_copy_s_per_token)) or \
-                not all(math.isfinite(c) for c in (*self.coefficients, self.step_overhead_s)):
+        # a NaN (a hand-edited or damaged profile) fails too, rather than every metric
+        if not all(0 <= c < math.inf for c in (*self.coefficients, self.step_overhead_s, self.kv_copy_s_per_token)):
             raise ProfileMismatchError("cost coefficients and step overhead must be finite and non-negative")
 
     def predict(self, plan: BatchPlan) -> float:

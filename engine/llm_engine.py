@@ -105,8 +105,7 @@ class Engine:
 
     def step(self, now_s: float) -> tuple[StepRecord, list[Request]] | None:
         """One iteration at ``now_s`` (on the runner's clock), or None when nothing is runnable."""
-        if self.scheduler_config.enable_prefix_caching and self.runner.prefix_owner is not self.core:
-            self.claim_runner()
+        self.claim_runner()
         return self.core.step(now_s, self.runner)
 
     def claim_runner(self) -> None:
@@ -140,11 +139,13 @@ class Engine:
         for request in requests:
             self.validate(request)
         self.claim_runner()
-        pending = iter(requests[concurrency:] if concurrency is not None else ())
-        for request in requests[:concurrency] if concurrency is not None else requests:
-            if concurrency is not None:
+        first, later = (requests, []) if concurrency is None else (requests[:concurrency], requests[concurrency:])
+        if concurrency is not None:
+            for request in first:  # the clients' first requests, at once
                 request.arrival_s = 0.0
+        for request in first:
             self.core.add(request)
+        pending = iter(later)
         t0 = time.perf_counter()
 
         def clock() -> float:
