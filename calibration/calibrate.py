@@ -19,12 +19,12 @@ from calibration.fit import Errors, fit_nnls_on_knots, knot_map, split_heldout, 
 from calibration.physical import (PHYSICAL_FEATURES, ROW_KNOTS, Machine as PhysicalMachine, PhysicalCostModel, PhysicalShape,
                                   physical_features)
 from calibration.budget import MeasurePlan, plan_measurement, price_calls
-from calibration.grid import GRID_SPECS, GridSpec, build_grid, edge_prompts
+from calibration.grid import GRID_SPECS, GridSpec, Shape, build_grid, edge_prompts
 from calibration.kv_copy import measure_kv_copy
 from calibration.bandwidth_history import profile_history
 from calibration.noise import calibration_stamps, noise_report
-from calibration.profiler import (IDLE_SHAPES, IDLE_STEP_GAP_S, IDLE_STEPS, Measurement, Robustness, ShapePool,
-                                  after_idle_sleep_s, at_bandwidth, execute_uncontended, make_runner,
+from calibration.profiler import (IDLE_SHAPES, IDLE_STEP_PROMPT, IDLE_STEPS, Measurement, Robustness, ShapePool,
+                                  after_idle_sleep_s, at_bandwidth, execute_uncontended, idle_step_gap_s, make_runner,
                                   measure_after_idle, measure_engine_runs, measure_shapes, spread, threads_of)
 from calibration.roofline import (Machine, MemoryStamp, ModelShape, call_work, fresh_like_gb_s, measure_machine,
                                   memory_read_gb_s, roofline_s, best_s, tensors_read_gb_s)
@@ -249,8 +249,8 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
     # known while measuring, so extra rounds go to shapes wide at the usual bandwidth
     machine = measure_machine(runner.model.dtype, device=runner.device)
     mshape = ModelShape.of(runner.model)
-    sleeps_s = after_idle_sleep_s(len(idle_shapes), idle_levels) + IDLE_STEPS * IDLE_STEP_GAP_S
-    plan = plan_to_budget(pool, shapes, cfg, spec.repeats, t0, sleeps_s, call_stamp)
+    sleeps_s = after_idle_sleep_s(len(idle_shapes), idle_levels)
+    plan = plan_to_budget(pool, shapes, cfg, spec.repeats, t0, sleeps_s, call_stamp, idle_steps=IDLE_STEPS)
     shares = [memory_share(s.to_plan(pool.request_ids), mshape, machine) for s in plan.shapes]
     # with a time budget, what it leaves for measuring bounds the retries and extra rounds too
     robust = cfg.robust if plan.budget_s is None else replace(cfg.robust, budget_s=plan.budget_s)
@@ -376,10 +376,12 @@ def idle_levels_in_budget(levels: tuple[tuple[float, int], ...], num_shapes: int
 
 def plan_to_budget(pool: ShapePool, shapes: list, cfg: CalibrationConfig, grid_repeats: int,
                    started_at: float, set_aside_s: float = 0.0,
-                   call_stamp: Callable[[], object] | None = None) -> MeasurePlan:
+                   call_stamp: Callable[[], object] | None = None, idle_steps: int = 0) -> MeasurePlan:
     """Price the grid's calls with two pilot calls and thin it to what ``cfg.time_budget_s`` leaves
     for measuring since ``started_at`` (``time.perf_counter()``; calibration.budget) less
-    ``set_aside_s`` (the after-idle sleeps); the plan's cuts are logged. A pilot call timed while
+    ``set_aside_s`` (the after-idle sleeps) and ``idle_steps`` rests of the engine between one-step
+    requests (calibration.profiler.measure_idle_steps, each as long as idle_step_gap_s of a
+    16-token call at the pilot's price); the plan's cuts are logged. A pilot call timed while
     others used the CPU is timed again. Each call is priced with the ``call_stamp`` taken before it."""
     repeats = cfg.repeats or grid_repeats
     if cfg.time_budget_s is None:
@@ -391,6 +393,8 @@ def plan_to_budget(pool: ShapePool, shapes: list, cfg: CalibrationConfig, grid_r
         pool.execute(plan)  # warm-up
         pilot.append((shape.num_tokens, execute_uncontended(pool, plan, cfg.robust.max_retries)[0]))
     stamp_s = 0.0 if call_stamp is None else best_s(call_stamp, 1, pool.runner.device)  # after one untimed
+    idle_step_s = price_calls([Shape("prefill", chunks=((IDLE_STEP_PROMPT, 0, True),))], pilot[0], pilot[1])[0]
+    set_aside_s += idle_steps * idle_step_gap_s(idle_step_s)
     budget = max(0.0, MEASURE_SHARE * cfg.time_budget_s - (time.perf_counter() - started_at) - set_aside_s)
     prices = [s + stamp_s for s in price_calls(shapes, pilot[0], pilot[1])]
     plan = plan_measurement(shapes, prices, repeats, cfg.warmup, (1 - EXTRA_SHARE) * budget)

@@ -455,9 +455,7 @@ def measure_engine_runs(runner: ModelRunner, max_num_seqs: int, runs: int = 3,
                          stamps_gb_s=() if None in stamps[shape] else tuple(stamps[shape]))
              for shape, ts in times.items()]
     arr = np.asarray(overheads)
-    # the rests must outlast a step, or the engine never sits idle between them
-    wake, idle_before = measure_idle_steps(engine, gap_s=max(IDLE_STEP_GAP_S, 2 * max(s.end_s - s.start_s
-                                                                                      for s in result.steps)))
+    wake, idle_before = measure_idle_steps(engine)
     summary = OverheadSummary(float(np.median(arr)), float(arr.mean()), float(np.percentile(arr, 90)), len(arr),
                               float(arr.sum() / busy), float(np.median(before)), tuple(float(x) for x in arr),
                               float(np.median(wake)) if wake else 0.0,
@@ -466,21 +464,38 @@ def measure_engine_runs(runner: ModelRunner, max_num_seqs: int, runs: int = 3,
 
 
 IDLE_STEPS = 8  # one-step requests, each arriving after the engine has sat idle ...
-IDLE_STEP_GAP_S = 0.2  # ... this long at least (the calibration's time budget sets their sleeps aside)
+IDLE_STEP_GAP_S = 0.2  # ... this long at least, and twice their step (idle_step_gap_s)
+IDLE_STEP_PROMPT = 16  # their prompt's tokens (one output token: one prefill step each)
 
 
-def measure_idle_steps(engine: Engine, steps: int = IDLE_STEPS, gap_s: float = IDLE_STEP_GAP_S
+def idle_step_gap_s(step_s: float) -> float:
+    """How far apart the idle steps' requests arrive, given one such step's time: the rest between
+    them must outlast the step, or the engine never sits idle (a 16-token prefill of the 1.5B shape
+    in fp32 takes longer than the floor). The calibration's time budget sets ``IDLE_STEPS`` of
+    these aside, priced from its pilot calls (calibration.calibrate.plan_to_budget)."""
+    return max(IDLE_STEP_GAP_S, 2 * step_s)
+
+
+def measure_idle_steps(engine: Engine, steps: int = IDLE_STEPS, gap_s: float | None = None
                        ) -> tuple[list[float], list[float]]:
     """What the first step after idle spends outside its model call, per step: (the arrival to the
     step's start: the loop sleeps until the next arrival and wakes late, and whoever arrives
     meanwhile joins the step; the step's start to its model call: scheduling and packing in cold
     caches, several times a busy step's on a small model). Requests of a 16-token prompt and one
-    output token arrive ``gap_s`` apart; the steps taken are those that follow a rest (a prompt
-    the engine's token budget cuts into chunks takes its later ones busy). The call itself is
-    AfterIdle's (measure_after_idle)."""
+    output token arrive ``gap_s`` apart (None: ``idle_step_gap_s`` of one such request's step,
+    served first); the steps taken are those that follow a rest (a prompt the engine's token
+    budget cuts into chunks takes its later ones busy). The call itself is AfterIdle's
+    (measure_after_idle)."""
     vocab = engine.runner.vocab_size
-    requests = [Request(f"idle-{i}", [(7 * i + j) % vocab for j in range(16)], 1, arrival_s=i * gap_s)
-                for i in range(steps + 1)]
+
+    def prompt(i: int) -> list[int]:
+        return [(7 * i + j) % vocab for j in range(IDLE_STEP_PROMPT)]
+
+    if gap_s is None:
+        pilot = engine.run([Request("idle-pilot", prompt(steps + 1), 1)])
+        engine.reset()
+        gap_s = idle_step_gap_s(max(s.end_s - s.start_s for s in pilot.steps))
+    requests = [Request(f"idle-{i}", prompt(i), 1, arrival_s=i * gap_s) for i in range(steps + 1)]
     arrival = {r.request_id: r.arrival_s for r in requests}
     result = engine.run(requests)
     engine.reset()

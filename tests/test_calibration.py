@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -442,8 +443,27 @@ def test_idle_steps_come_from_rests_only_and_none_measured_is_no_nan():
     from engine.llm_engine import Engine
 
     engine = Engine(SchedulerConfig(max_num_seqs=2), ModelConfig(name="tiny"))
-    wake, before = measure_idle_steps(engine, steps=3, gap_s=0.05)
+    wake, before = measure_idle_steps(engine, steps=3)  # rests twice its step, at least 0.2 s
     assert len(wake) == len(before) == 3 and min(wake) >= 0 and min(before) > 0
     assert measure_idle_steps(engine, steps=3, gap_s=0.0) == ([], [])  # all at once: no rest
     unmeasured = AfterIdle.of({"step_overhead": {"idle_wake_median_s": float("nan"), "idle_before_call_median_s": None}})
     assert (unmeasured.wake_s, unmeasured.before_call_s) == (0.0, None)
+
+
+def test_idle_steps_rest_longer_than_a_slow_step():
+    """A step that outlasts IDLE_STEP_GAP_S (a large model in fp32) must still leave rests between
+    the idle requests: the gap follows the step measured first (idle_step_gap_s)."""
+    from calibration.profiler import IDLE_STEP_GAP_S, measure_idle_steps
+    from engine.core.config import SchedulerConfig
+    from engine.llm_engine import Engine
+
+    engine = Engine(SchedulerConfig(max_num_seqs=2), ModelConfig(name="tiny"))
+    execute = engine.runner.execute
+
+    def slow(*args, **kwargs):
+        time.sleep(1.2 * IDLE_STEP_GAP_S)
+        return execute(*args, **kwargs)
+
+    engine.runner.execute = slow
+    wake, before = measure_idle_steps(engine, steps=2)
+    assert len(wake) == len(before) == 2 and min(before) >= 0

@@ -99,6 +99,9 @@ def test_the_pilot_prices_the_grid_and_the_plan_leaves_room_for_the_rest():
     # the after-idle sleeps come off what is left to measure
     slept = plan_to_budget(PricedPool(0.01), FULL, cfg, 3, time.perf_counter() - 10.0, set_aside_s=28.0)
     assert slept.budget_s == pytest.approx(left - 28.0, abs=0.5) and slept.predicted_s < plan.predicted_s
+    # so do the idle steps' rests: twice a 16-token call at the pilot's price each (0.21 s here)
+    rests = plan_to_budget(PricedPool(0.01), FULL, cfg, 3, time.perf_counter() - 10.0, idle_steps=8)
+    assert rests.budget_s == pytest.approx(left - 8 * 2 * 0.21, abs=0.5)
     unbounded = plan_to_budget(PricedPool(0.01), FULL, CalibrationConfig(time_budget_s=None), 3, time.perf_counter())
     assert unbounded.shapes == FULL and unbounded.budget_s is None and unbounded.to_dict()["predicted_s"] is None
 
