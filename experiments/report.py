@@ -210,7 +210,7 @@ def build_report(app: ReportApp, out_dir: Path) -> Path:
         plot_sim_vs_real(validation, out_dir / "sim_vs_real.png")
         figure("Simulated against real", "sim_vs_real.png")
         worst = validation.groupby("metric")["rel_error"].agg(lambda s: s.abs().max())
-        lines += ["| metric | worst relative error |", "|---|---|"]
+        lines += ["| metric | worst error (relative; occupancy in points) |", "|---|---|"]
         lines += [f"| {metric} | {err:.1%} |" for metric, err in worst.items()] + [""]
     if app.prefix_dir:
         table = json.loads((Path(app.prefix_dir) / "prefix.json").read_text())["table"]

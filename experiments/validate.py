@@ -134,7 +134,8 @@ class ValidateBands:
 
 @dataclass
 class Tolerance:
-    """Largest |sim − real| / real that passes, per kind of metric."""
+    """Largest |sim − real| / real that passes, per kind of metric; occupancy's in absolute points of
+    its share (ABSOLUTE_KINDS)."""
 
     throughput: float = 0.05
     p50: float = 0.05
@@ -195,6 +196,10 @@ METRICS = (  # (name, how to read it from the metrics dict, tolerance kind)
     ("model_calls", lambda m: m["model_calls"], "calls"),
     ("occupancy_at_max", lambda m: m["occupancy_at_max"], "occupancy"),
 )
+# kinds judged by sim − real rather than relative to real: occupancy is a share of the busy time,
+# 0 in a row that never reaches its cap, where any relative error is infinite (a sim of 0.056
+# against a real 0 failed a 5% tolerance by "inf%")
+ABSOLUTE_KINDS = frozenset({"occupancy"})
 
 
 @dataclass(frozen=True)
@@ -324,17 +329,22 @@ def counted(runs: list[dict]) -> list[dict]:
     return [last[k] for k in sorted(last)]
 
 
-def row_passes(sim: float, real: list[float], tolerance: float) -> tuple[float, float, bool]:
+def row_passes(sim: float, real: list[float], tolerance: float, absolute: bool = False
+               ) -> tuple[float, float, bool]:
     """(error against the real median, allowed error, pass): allowed is max(tolerance, half the
-    real runs' min–max spread), both relative to the median."""
+    real runs' min–max spread), both relative to the median (``absolute``: both as differences)."""
     median = statistics.median(real)
-    err = rel_error(median, sim)
-    half = (max(real) - min(real)) / 2 / median if median else 0.0
+    half = (max(real) - min(real)) / 2
+    if absolute:
+        err = sim - median
+    else:
+        err, half = rel_error(median, sim), half / median if median else 0.0
     allowed = max(tolerance, half)
     return err, allowed, abs(err) <= allowed
 
 
-def repeat_floor(sim: float, real: list[float], tolerance: float) -> tuple[float, float] | None:
+def repeat_floor(sim: float, real: list[float], tolerance: float, absolute: bool = False
+                 ) -> tuple[float, float] | None:
     """How often one real run, held out, passes as the prediction of the others, and how often the
     simulation passes against the same others (each by ``row_passes``, averaged over which run is
     held out). Judged on the same references, a repeat of the real run is the reference the
@@ -343,8 +353,8 @@ def repeat_floor(sim: float, real: list[float], tolerance: float) -> tuple[float
     if len(real) < 3:
         return None
     others = [real[:i] + real[i + 1:] for i in range(len(real))]
-    repeat = sum(row_passes(v, rest, tolerance)[2] for v, rest in zip(real, others)) / len(real)
-    simulated = sum(row_passes(sim, rest, tolerance)[2] for rest in others) / len(real)
+    repeat = sum(row_passes(v, rest, tolerance, absolute)[2] for v, rest in zip(real, others)) / len(real)
+    simulated = sum(row_passes(sim, rest, tolerance, absolute)[2] for rest in others) / len(real)
     return repeat, simulated
 
 
@@ -476,8 +486,9 @@ def row_moves(cost: AnyCostModel, row: Row, replay: list[tuple], sim_m: dict, by
     it by tens of percent: a metric that moves past its tolerance so is ill-conditioned, and a
     prediction of it is only as good as the machine's speed is known."""
     moved = [simulate_replay(cost, row, replay, scale) for scale in (1 - by, 1 + by)]
-    return {metric: max(abs(rel_error(float(read(sim_m)), float(read(m)))) for m in moved)
-            for metric, read, _ in METRICS}
+    return {metric: max(abs(float(read(m)) - float(read(sim_m))) if kind in ABSOLUTE_KINDS
+                        else abs(rel_error(float(read(sim_m)), float(read(m)))) for m in moved)
+            for metric, read, kind in METRICS}
 
 
 def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict], tolerance: dict,
@@ -494,7 +505,8 @@ def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict]
     for metric, read, kind in METRICS:
         real = [float(read(r["metrics"])) for r in used]
         sim = float(read(sim_m))
-        err, allowed, ok = row_passes(sim, real, tolerance[kind])
+        absolute = kind in ABSOLUTE_KINDS
+        err, allowed, ok = row_passes(sim, real, tolerance[kind], absolute)
         mean = float(np.mean(real))
         rec = {"workload": row.name, "scheduler": row.scheduler.name, "max_num_seqs": row.scheduler.max_num_seqs,
                "metric": metric, "real": statistics.median(real), "real_min": min(real), "real_max": max(real),
@@ -506,16 +518,16 @@ def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict]
                # the runs' and the calibration's own decode weights' read rates (MemoryStamp)
                "weights_gb_s": statistics.median(weights) if weights else math.nan,
                "calibration_weights_gb_s": calibration_weights_gb_s, "_real": real}
-        floor = repeat_floor(sim, real, tolerance[kind])
+        floor = repeat_floor(sim, real, tolerance[kind], absolute)
         if floor is not None:
             rec["repeat_ok"], rec["sim_ok_held_out"] = floor
         if moves is not None:
             rec["sim_moves"] = moves[metric]
         if calls_noise_m:
             noisy = float(np.median([float(read(m)) for m in calls_noise_m]))
-            _, _, rec["ok_calls_noise"] = row_passes(noisy, real, tolerance[kind])
+            _, _, rec["ok_calls_noise"] = row_passes(noisy, real, tolerance[kind], absolute)
             rec["sim_calls_noise"] = noisy
-            noisy_floor = repeat_floor(noisy, real, tolerance[kind])
+            noisy_floor = repeat_floor(noisy, real, tolerance[kind], absolute)
             if noisy_floor is not None:
                 rec["calls_noise_ok_held_out"] = noisy_floor[1]
         if replicate_m:
@@ -619,10 +631,10 @@ def format_validation(df: pd.DataFrame) -> str:
     the machine's speed (median; and in how many rows past the tolerance), band coverage and
     median width."""
     rows = []
-    for metric, _, _ in METRICS:
+    for metric, _, kind in METRICS:
         sel = df[df.metric == metric]
         errs = sel.rel_error.abs()
-        line = [metric, f"{errs.median():.1%}", f"{errs.max():.1%}", f"{sel.tolerance.iloc[0]:.0%}",
+        line = [metric + (" (points)" if kind in ABSOLUTE_KINDS else ""), f"{errs.median():.1%}", f"{errs.max():.1%}", f"{sel.tolerance.iloc[0]:.0%}",
                 f"{int(sel.ok.sum())}/{len(sel)}", f"{sel.real_cv.median():.1%}"]
         if "repeat_ok" in sel:
             line += [" / ".join(f"{sel[c].sum():.1f}" for c in HELD_OUT if c in sel)]

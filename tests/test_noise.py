@@ -307,6 +307,20 @@ def test_a_row_passes_within_the_tolerance_or_half_the_real_spread():
     assert row_passes(106.0, [100.0, 100.0, 100.0], 0.05)[2] is False
 
 
+def test_occupancy_is_judged_in_points_not_relative_to_a_real_zero():
+    """A row that never reaches its cap has occupancy 0: relative to it, any simulated share was an
+    infinite error (a sim of 0.056 failed by "inf%"); as a share it is 5.6 points off."""
+    from experiments.validate import ABSOLUTE_KINDS, METRICS
+
+    assert {kind for _, _, kind in METRICS} & ABSOLUTE_KINDS == {"occupancy"}
+    assert row_passes(0.04, [0.0, 0.0, 0.0], 0.05, absolute=True) == (pytest.approx(0.04), 0.05, True)
+    assert row_passes(0.056, [0.0, 0.0, 0.0], 0.05, absolute=True)[2] is False
+    # half the real spread in points: 0.10–0.30 allows 0.10 either side of the median 0.25
+    assert row_passes(0.16, [0.10, 0.25, 0.30], 0.05, absolute=True) == (pytest.approx(-0.09), pytest.approx(0.10), True)
+    assert row_passes(0.14, [0.10, 0.25, 0.30], 0.05, absolute=True)[2] is False
+    assert repeat_floor(0.0, [0.0, 0.01, 0.02], 0.05, absolute=True) == (1.0, 1.0)
+
+
 def test_repeat_floor_holds_each_real_run_out_in_turn():
     # real 100, 104, 130 at 5%: 100 vs {104, 130} (median 117, allowed 11.1%): off 14.5%, fails;
     # 104 vs {100, 130} (115, 13.0%): off 9.6%, passes; 130 vs {100, 104} (102, 5%): fails
