@@ -66,6 +66,8 @@ def test_trace_workload_needs_a_path_and_local_model_needs_a_path():
     ("scheduler.name=fifo", "scheduler.name must be one of"),
     ("load=0", "load must be > 0"),
     ("workload=seed_burst load=0.5", "load sets an arrival rate"),
+    # a cap above the token budget would never bind (vLLM refuses it too)
+    ("scheduler.max_num_seqs=512", r"max_num_batched_tokens \(256\) must be at least scheduler.max_num_seqs \(512\)"),
 ])
 def test_bad_sweep_overrides_fail_clearly(override, error):
     with pytest.raises((ConfigCompositionException, ValueError), match=error):

@@ -134,10 +134,12 @@ def test_nothing_to_do_returns_none(name):
     assert make_scheduler(config).schedule(ServingState(config)) is None
 
 
-# random configs (tight budgets, chunks and KV pools that preempt) and request lengths
+# random configs (tight budgets, chunks and KV pools that preempt) and request lengths; a budget
+# is at least the cap (SchedulerConfig refuses less)
 CONFIGS = st.builds(
     lambda name, max_num_seqs, budget, chunk, num_blocks, block_size: SchedulerConfig(
-        name=name, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, long_prefill_token_threshold=chunk,
+        name=name, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(budget, max_num_seqs),
+        long_prefill_token_threshold=chunk,
         num_kv_blocks=max(num_blocks, -(-60 // block_size)), block_size=block_size),  # 60 tokens fit alone
     name=st.sampled_from(["serial", "static", "continuous"]), max_num_seqs=st.integers(1, 8),
     budget=st.integers(1, 64), chunk=st.integers(1, 32), num_blocks=st.integers(15, 40),

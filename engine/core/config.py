@@ -40,6 +40,12 @@ class SchedulerConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"scheduler.{field} must be a positive integer, got {value!r}")
+        if self.name == "continuous" and self.max_num_batched_tokens < self.max_num_seqs:
+            # every running request decodes a token per step within the budget, so the cap would
+            # never bind: a sweep over it would silently measure the budget (vLLM refuses it too)
+            raise ValueError(f"scheduler.max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                             f"scheduler.max_num_seqs ({self.max_num_seqs}): each running request decodes one "
+                             "token per step within that budget")
 
     @property
     def kv_capacity_tokens(self) -> int:
