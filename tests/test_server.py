@@ -265,3 +265,49 @@ def test_overload_answers_429_loses_no_accepted_request_and_sigterm_exits_zero(t
             httpx.post(f"{proc.url}/v1/completions", json=GOOD)
     finally:
         proc.stop()
+
+
+def test_a_taken_port_fails_before_the_model_is_built(tmp_path):
+    """As vLLM's: the port is bound first, so a second server on it exits at once (uvicorn's status
+    3), not after building and warming a model it cannot serve."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        log = tmp_path / "server.log"
+        proc = ServerProcess(MODEL, SCHEDULER, ServerConfig(port=port, log_level="info"), log)
+        assert proc.proc.wait(120) == 3
+    text = log.read_text()
+    assert "Address already in use" in text and "engine ready" not in text
+
+
+def test_a_forced_quit_stops_the_engine_and_writes_the_trace(tmp_path):
+    """A second SIGINT is uvicorn's force quit, which skips the app's own shutdown: the process
+    ended with the engine thread inside a torch call and died by SIGABRT, without its trace."""
+    import signal
+
+    trace, log = tmp_path / "trace.json", tmp_path / "server.log"
+    proc = ServerProcess(MODEL, SchedulerConfig(max_num_seqs=1), ServerConfig(port=free_port(), log_level="info",
+                                                                              trace_path=str(trace)), log)
+    try:
+        proc.wait_healthy(120)
+
+        async def cut_short() -> list:
+            async with httpx.AsyncClient(base_url=proc.url, timeout=60) as client:
+                tasks = [asyncio.create_task(client.post("/v1/completions", json={**GOOD, "max_tokens": 2000}))
+                         for _ in range(4)]  # one running, three waiting
+                await asyncio.to_thread(wait_for, lambda: metrics(proc.url)["miniserve:num_requests_running"] == 1,
+                                        "a request running")
+                proc.proc.send_signal(signal.SIGINT)
+                await asyncio.sleep(0.5)
+                proc.proc.send_signal(signal.SIGINT)
+                return await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run(cut_short())
+        assert proc.proc.wait(60) == 0
+    finally:
+        proc.stop()
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert "terminate called" not in log.read_text()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import resource
 import signal
 import threading
@@ -46,6 +47,7 @@ log = logging.getLogger("miniserve.server")
 
 PARSE_ON_LOOP_BYTES = 64 * 1024  # larger bodies are parsed in a worker thread, off the event loop
 SHUTDOWN_FLUSH_S = 3.0  # after the grace period: time for the error answers to reach clients
+FORCED_STOP_S = 5.0  # how long a forced quit waits for the engine thread (a step, or a model still loading)
 
 
 @dataclass(frozen=True)
@@ -352,9 +354,11 @@ def serve(model: ModelConfig, scheduler: SchedulerConfig, server: ServerConfig) 
         return engine
 
     thread = EngineThread(build, server.max_waiting, keep_steps=server.trace_path is not None)
+    traced: list[bool] = []
 
-    def write_trace() -> None:
-        if server.trace_path is not None:
+    def write_trace() -> None:  # once: the lifespan's shutdown, else after uvicorn returns
+        if server.trace_path is not None and not traced:
+            traced.append(True)
             path = Path(server.trace_path)
             path.parent.mkdir(parents=True, exist_ok=True)
             write_chrome_trace((s.trace_call for s in thread.steps), path)
@@ -382,12 +386,29 @@ def serve(model: ModelConfig, scheduler: SchedulerConfig, server: ServerConfig) 
 
     # uvicorn re-raises the signal it handled once it has shut down; with the default handler
     # that would kill the process after a clean shutdown, so the restored handler does nothing.
+    try:  # the port first, as vLLM does: a taken one fails now, not after the model is built
+        sockets = [config.bind_socket()]
+    except SystemExit as exc:  # uvicorn has logged why (its exit status 3: startup failure)
+        return exc.code if isinstance(exc.code, int) else 3
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     uvicorn_server = _Server(config, on_signal=draining)
-    uvicorn_server.run()
-    for timer in grace:
-        timer.cancel()
+    try:
+        uvicorn_server.run(sockets=sockets)
+    finally:
+        for timer in grace:
+            timer.cancel()
+        # a forced quit (a second signal) skips the lifespan's shutdown: stop the engine and write
+        # the trace here (both once); a process that ended with the engine thread inside a torch
+        # call was killed by SIGABRT in the interpreter's teardown
+        thread.stop(timeout_s=FORCED_STOP_S if uvicorn_server.force_exit else 30.0)
+        write_trace()
+        if uvicorn_server.force_exit and not thread.alive:
+            log.info("engine stopped (forced quit: requests in flight were cut)")
+    if thread.alive:  # still building or warming the model
+        log.error("the engine thread did not stop in time; exiting without it")
+        logging.shutdown()
+        os._exit(1)
     if thread.error is not None:
         log.error("%s", thread.error)
         return 1

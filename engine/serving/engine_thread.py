@@ -201,9 +201,16 @@ class EngineThread:
         self._inbox.put(_CancelAll(reason))
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Cancel whatever is still in flight and end the thread."""
+        """Cancel whatever is still in flight and end the thread; again, or before start, nothing."""
+        if self._thread.ident is None or not self._thread.is_alive():
+            return
         self._inbox.put(_STOP)
         self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread still runs (stop() waits a bounded time: a model still loading runs on)."""
+        return self._thread.is_alive()
 
     # --- the engine thread ---------------------------------------------------------------------
     def _main(self) -> None:
