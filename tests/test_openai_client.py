@@ -72,6 +72,12 @@ def test_logprobs_and_echo(client):
     lp = answer.choices[0].logprobs
     assert len(lp.token_logprobs) == 4 and all(v <= 0 for v in lp.token_logprobs)
     assert all(len(top) <= 2 for top in lp.top_logprobs)
+    # sampled: a chosen token outside the top 2 is still given, as OpenAI and vLLM give it (up to
+    # logprobs + 1 entries)
+    sampled = complete(client, prompt="ab", max_tokens=32, logprobs=2, temperature=2.0, seed=3).choices[0].logprobs
+    # (texts of different ids can coincide: the tiny model's tokenizer decodes several to "")
+    assert all(tok in top and len(top) <= 3 for tok, top in zip(sampled.tokens, sampled.top_logprobs))
+    assert any(len(top) == 3 for top in sampled.top_logprobs)
     echoed = complete(client, prompt="ab", max_tokens=4, echo=True)
     assert echoed.choices[0].text == "ab" + complete(client, prompt="ab", max_tokens=4).choices[0].text
 

@@ -89,7 +89,11 @@ class Generation:
             piece = self._token_text(token)
             out["tokens"].append(piece)
             out["token_logprobs"].append(lp)
-            out["top_logprobs"].append({self._token_text(i): v for i, v in top})
+            ranked: dict[str, float] = {}
+            for i, v in top:  # texts of different ids can coincide: the higher-ranked one stays
+                ranked.setdefault(self._token_text(i), v)
+            ranked.setdefault(piece, lp)  # the chosen token always, as OpenAI and vLLM give it
+            out["top_logprobs"].append(ranked)
             out["text_offset"].append(offset)
             offset += len(piece)
         return out
