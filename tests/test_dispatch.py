@@ -89,6 +89,16 @@ def test_a_mask_is_another_machine(monkeypatch):
     assert masked["allowed"] == [] and dispatch.table_path(masked) != dispatch.table_path(full)  # on any CPU
 
 
+def test_a_table_measured_while_the_build_failed_is_another_machine(monkeypatch):
+    """Measured without a compiler, a table timed no kernel (oneDNN, SDPA always run): reused once
+    the kernels built, it kept the engine off them for good."""
+    monkeypatch.setattr(dispatch.kernels, "built", lambda: True)
+    built = dispatch.machine_key()
+    monkeypatch.setattr(dispatch.kernels, "built", lambda: False)
+    failed = dispatch.machine_key()
+    assert built["kernels"] and not failed["kernels"] and dispatch.table_path(failed) != dispatch.table_path(built)
+
+
 def test_a_cached_choice_that_cannot_run_here_now_is_measured_again(tmp_path, monkeypatch):
     """A shared cache, or a kernel build that failed since: the table named gemv, which is gone."""
     key = dispatch.machine_key()

@@ -23,8 +23,9 @@ absent to the raw ops too.
 
 The build (~10 s with g++ and ninja) is cached by torch.utils.cpp_extension under
 ``$TORCH_EXTENSIONS_DIR`` (default ~/.cache/torch_extensions) and redone only when a source or
-the build command changes; concurrent processes wait on a lock file there, one left by a killed
-build is removed once stale (``_stale_lock_watch``; torch's wait has no timeout). A CPU without AVX2
+the build command changes; concurrent processes take turns under an flock there, which the OS
+releases when its holder dies, so a killed build leaves nothing to wait on (``_build_lock``;
+torch's own lock file has no timeout and is cleared inside it). A CPU without AVX2
 skips the build (one with AVX2 but no AVX-512 runs only the fp32 gemv, layer ops and attention); a machine without a compiler gets a warning. Either way the engine runs, on
 torch's own kernels.
 """
@@ -38,8 +39,6 @@ import math
 import mmap
 import os
 import platform
-import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,7 +53,6 @@ PANEL = 32  # output columns per panel (kPanel in gemv.cpp)
 SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "decode_attention.cpp", "layer_ops.cpp", "argmax.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 NAME = "miniserve_kernels"
-STALE_LOCK_S = 300.0  # the build takes ~8 s: a lock this old was left by a build that was killed
 log = logging.getLogger("miniserve.kernels")
 
 
@@ -191,38 +189,45 @@ def in_huge_pages(panels: list[Panels]) -> list[Panels]:
     return [Panels(v.copy_(p.data), p.n, p.k) for p, v in zip(panels, views)]
 
 
-def _clear_stale_lock() -> None:
-    """torch's build lock has no timeout: a build killed midway would make every later start wait
-    forever, so a lock far older than any build is removed."""
+@contextmanager
+def _build_lock() -> Iterator[None]:
+    """One build at a time per build folder, under an flock: the OS drops it when its holder exits or
+    is killed, so no lock outlives a build. torch's own lock file (made and removed by its loader,
+    waited on with no timeout) can be left by a killed build; inside this lock no one else is
+    building, so one found there is such a leftover and is removed. (The lock had been judged by
+    its age, which removed a slow build's own lock at 300 s and failed every waiting process.)"""
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory(NAME, verbose=False)) / "lock"
+    folder = Path(_get_build_directory(NAME, verbose=False))
+    folder.mkdir(parents=True, exist_ok=True)
     try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink()
-            log.warning("removed a stale build lock %s (a build was killed midway)", lock)
-    except FileNotFoundError:
-        pass
-
-
-@contextmanager
-def _stale_lock_watch(every_s: float = 5.0) -> Iterator[None]:
-    """While this process builds or waits for another's build: torch waits on a lock with no
-    timeout, so a lock whose builder was killed after this process began waiting would hold it
-    for ever (two processes hung so); every ``every_s`` a stale one is removed."""
-    stop = threading.Event()
-
-    def watch() -> None:
-        while not stop.wait(every_s):
-            _clear_stale_lock()
-
-    _clear_stale_lock()
-    watcher = threading.Thread(target=watch, name="miniserve-build-lock", daemon=True)
-    watcher.start()
-    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's lock alone
         yield
-    finally:
-        stop.set()
+        return
+    with open(folder / "miniserve-build.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        leftover = folder / "lock"
+        if leftover.exists():
+            leftover.unlink(missing_ok=True)
+            log.warning("removed %s, left by a build that was killed midway", leftover)
+        yield  # the flock goes with the file
+
+
+def _build_error(e: Exception) -> str:
+    """What a failed build says about its cause: ninja's error names the whole compile command on its
+    first line and the cause (``c++: not found``, a compiler error) after it."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    causes = [line for line in lines[1:] if "error" in line.lower() or "not found" in line.lower()]
+    return "; ".join((causes or lines[-1:])[:3])[:500]
+
+
+def built() -> bool:
+    """Whether miniserve's kernels are built and loaded in this process (building them at first
+    call): False where they are switched off, the CPU lacks AVX2, or the build failed."""
+    return _load()
 
 
 @functools.cache
@@ -250,13 +255,12 @@ def _load() -> bool:
         # torch rounds. torch rebuilds when a source or a flag changes, not a header, so the
         # headers' hash is a flag.
         headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
-        with _stale_lock_watch():
+        with _build_lock():
             load(NAME, [str(p) for p in SOURCES], extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off",
                                                                f"-DMINISERVE_HEADERS={headers}"],
                  extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the engine still runs, on torch's kernels
-        log.warning("miniserve's kernels could not be built (%s); the engine runs torch's own",
-                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        log.warning("miniserve's kernels could not be built (%s); the engine runs torch's own", _build_error(e))
         return False
     # the raw ops' *_supported checks see the masked features, as the engine does
     torch.ops.miniserve.allow_cpu_features("avx2" in features, "avx512" in features, "avx512_bf16" in features,

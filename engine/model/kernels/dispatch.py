@@ -71,7 +71,7 @@ STREAM_ROWS = (8, 12, 16)
 PROBE_LAYER = ((1152, 896), (896, 896), (9728, 896), (896, 4864))
 PROBE_BYTES = (64 << 20, 512 << 20)  # the probe: twice the last-level cache within these, rounded up to a layer
 FORCE_ENV = "MINISERVE_DISPATCH"
-VERSION = 6  # bump when what is measured or how it is chosen changes
+VERSION = 7  # bump when what is measured or how it is chosen changes
 log = logging.getLogger("miniserve.dispatch")
 
 
@@ -177,10 +177,12 @@ def forced(op: str) -> str | None:
 def machine_key() -> dict:
     """What a cached table is valid for: another CPU, mask, thread count, torch or kernel source is
     another machine. The mask is kept as written: on a CPU with no features it reads to nothing,
-    masked or not, yet oneDNN's bf16 answers differently with one set."""
+    masked or not, yet oneDNN's bf16 answers differently with one set. ``kernels`` is whether they
+    built here: a table measured while the build failed (no compiler yet) timed no kernel, and
+    reused once they build it kept the engine off them."""
     sources = hashlib.sha256(b"".join(p.read_bytes() for p in kernels.SOURCES + kernels.HEADERS)).hexdigest()[:16]
     return {"version": VERSION, "cpu": cpu_model(), "detected": sorted(detected()), "allowed": sorted(cpu_features()),
-            "mask": os.environ.get(ENV, "").strip(), "kernels": kernels.enabled(),
+            "mask": os.environ.get(ENV, "").strip(), "kernels": kernels.built(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "sources": sources,
             "onednn": onednn_available(torch.float32), "onednn_bf16": onednn_available(torch.bfloat16)}
 
