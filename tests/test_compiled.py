@@ -128,6 +128,13 @@ def test_a_damaged_build_falls_back_to_python_and_says_why(tmp_path):
     (build / "manifest.json").write_text(json.dumps({"modules": {"engine.core.state": "gone.so"}}))
     file, status = _import_engine(tmp_path)
     assert file.endswith("state.py") and "lacks" in status
+    # a library cut short: the dynamic linker would load it and die (SIGBUS); its size says so first
+    modules = {m: f"{m}.so" for m in compiled.MODULES}
+    for rel in modules.values():
+        (build / rel).write_bytes(b"\x7fELF" + bytes(4092))
+    (build / "manifest.json").write_text(json.dumps({"modules": modules, "bytes": {m: 65536 for m in modules}}))
+    file, status = _import_engine(tmp_path)
+    assert file.endswith("state.py") and "damaged" in status
 
 
 def test_a_failed_build_is_not_retried_unless_asked(tmp_path, monkeypatch):

@@ -24,6 +24,7 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import platform
 import sys
 import sysconfig
 from pathlib import Path
@@ -53,8 +54,11 @@ def compiled_dir() -> Path:
 
 
 def source_key(root: Path = ROOT) -> str:
-    """What a build is valid for: the compiled modules' sources (in ``root``) and this interpreter's ABI."""
+    """What a build is valid for: the compiled modules' sources (in ``root``), this interpreter's ABI
+    and the machine's architecture (macOS's ABI tag names none: an arm64 build in a shared cache
+    would otherwise be loaded by an x86-64 Python under Rosetta)."""
     digest = hashlib.sha256(sysconfig.get_config_var("EXT_SUFFIX").encode())
+    digest.update(f"{sys.platform} {platform.machine()}".encode())
     digest.update(" ".join(MODULES).encode())
     for package in PACKAGES:  # every source mypy reads: compiled code fixes the types of what it imports
         for path in sorted((root / package).rglob("*.py")):
@@ -107,10 +111,16 @@ def _install() -> bool:
     if already:  # imported as Python before engine: mixing the two builds' classes would fail
         _status = f"not used: {', '.join(already)} imported before engine; plain Python"
         return False
-    files = {module: str(build / rel) for module, rel in json.loads(manifest.read_text())["modules"].items()}
+    recorded = json.loads(manifest.read_text())
+    files = {module: str(build / rel) for module, rel in recorded["modules"].items()}
     missing = [m for m in MODULES if m not in files or not os.path.isfile(files[m])]
     if missing:
         raise FileNotFoundError(f"the build in {build} lacks {', '.join(missing)}")
+    # a library cut short (a crash or a full disk while it was copied) is loaded by the dynamic
+    # linker regardless and kills the process (SIGBUS) at the first import: sizes are checked first
+    damaged = [m for m, size in recorded["bytes"].items() if os.path.getsize(files[m]) != size]
+    if damaged:
+        raise OSError(f"the build in {build} is damaged ({', '.join(damaged)}: not the size it was built at)")
     try:
         os.utime(manifest)  # last used: what pruning keeps
     except OSError:  # a read-only cache is fine
@@ -189,11 +199,15 @@ def _build(python: str, key: str, out: Path) -> None:
                 name = ".".join(rel.parts[:-1] + (file.name.split(".", 1)[0],))
                 (staging / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(file, staging / rel)
+                with open(staging / rel, "rb") as copied:  # on disk before the build is renamed in
+                    os.fsync(copied.fileno())
                 modules[name] = str(rel)
             missing = [m for m in MODULES if m not in modules]
             if missing:
                 raise RuntimeError(f"mypyc built no extension for {missing}")
-            (staging / "manifest.json").write_text(json.dumps({"key": key, "modules": modules}, indent=1))
+            sizes = {name: (staging / rel).stat().st_size for name, rel in modules.items()}
+            (staging / "manifest.json").write_text(json.dumps({"key": key, "modules": modules, "bytes": sizes},
+                                                              indent=1))
             staging.rename(out)  # atomic: a reader sees a whole build or none
         except OSError:
             if not (out / "manifest.json").is_file():
