@@ -155,6 +155,19 @@ def test_choices_are_kept_only_when_two_measurements_agree():
     assert not settled and len(choices) == len(dispatch.ROW_CLASSES)
 
 
+def test_attention_choices_are_kept_only_when_two_measurements_agree():
+    def timed(decode: str, prefill: str) -> dict[str, dict[str, float]]:
+        return {"decode": {"kernel": 1.0, "sdpa": 2.0} if decode == "kernel" else {"kernel": 2.0, "sdpa": 1.0},
+                "prefill": {"kernel": 1.0, "sdpa": 2.0} if prefill == "kernel" else {"kernel": 2.0, "sdpa": 1.0}}
+
+    disturbed = iter([timed("kernel", "sdpa"), timed("kernel", "kernel"), timed("kernel", "kernel")])
+    choices, _, settled = dispatch.agreed_attention(lambda: next(disturbed))
+    assert settled and choices == {"decode": "kernel", "prefill": "kernel"}  # the one slow prefill outvoted
+    noisy = iter([timed("kernel", "sdpa"), timed("sdpa", "kernel"), timed("kernel", "kernel")])
+    choices, _, settled = dispatch.agreed_attention(lambda: next(noisy))
+    assert not settled and choices == {"decode": "kernel", "prefill": "kernel"}  # each phase's majority
+
+
 def test_an_unsettled_measurement_is_used_but_not_cached(monkeypatch):
     winners = iter(["torch", "gemv", "onednn"])
     monkeypatch.setattr(dispatch, "linear_candidates", lambda dtype: ["gemv", "onednn", "torch"])

@@ -425,6 +425,23 @@ def agreed_choices(measure_once: Callable[[], dict[int, dict[str, float]]], trie
     return votes, runs[-1][1], False
 
 
+def agreed_attention(measure_once: Callable[[], dict[str, dict[str, float]]], tries: int = 3
+                     ) -> tuple[dict[str, str], dict[str, dict[str, float]], bool]:
+    """Each phase's attention choice as ``agreed_choices`` makes the linears': two measurements must
+    pick the same (one, under a neighbour's scheduler slice, had timed the kernel at 15.4 ms
+    against SDPA's 4.1 for a bf16 prefill chunk, where again it took 0.55 ms against 1.41, and
+    the choice was cached)."""
+    runs: list[tuple[dict[str, str], dict[str, dict[str, float]]]] = []
+    for _ in range(tries):
+        timings = measure_once()
+        picks = {phase: choose(timings[phase]) for phase in PHASES}
+        if any(earlier == picks for earlier, _ in runs):
+            return picks, timings, True
+        runs.append((picks, timings))
+    votes = {phase: max((p[phase] for p, _ in runs), key=[p[phase] for p, _ in runs].count) for phase in PHASES}
+    return votes, runs[-1][1], False
+
+
 def measure(dtype: torch.dtype, table: Table) -> bool:
     """Time every candidate for ``dtype`` on this machine and record the choices in ``table``;
     False when the measurements never agreed (the machine was too busy to trust them)."""
@@ -446,10 +463,11 @@ def measure(dtype: torch.dtype, table: Table) -> bool:
 
         choices, _, settled = agreed_choices(once)
         del probe
-    attention = measure_attention(dtype)
+    attention_choices, attention, attention_settled = agreed_attention(lambda: measure_attention(dtype))
+    settled = settled and attention_settled
     name = _name(dtype)
     table.linear[name] = choices
-    table.attention[name] = {phase: choose(attention[phase]) for phase in PHASES}
+    table.attention[name] = attention_choices
     table.gemv[name] = asdict(replace(tuning, amx_rows=fold_amx(linear)[0]))  # as the last measurement had it
     table.timings[name] = {"linear": {str(r): t for r, t in linear.items()}, "attention": attention,
                            "gemv_prefetch": prefetch, "probe_mib": probe_mib}
