@@ -233,3 +233,23 @@ def test_open_loop_arrivals_end_at_n_over_rate_as_vllms_bench_sends_them(arrival
     tiny = [generate(WorkloadConfig(arrival="gamma", num_requests=1, rate=2.0, burstiness=1e-3, seed=s)).arrival_s
             for s in range(20)]
     assert all(np.isfinite(a).all() for a in tiny) and any(a[0] == 0 for a in tiny)
+
+
+def test_timestamps_python_3_10_refuses_are_made_readable():
+    """3.10's fromisoformat takes 3 or 6 fraction digits and no 'Z' (3.11 takes any): Azure
+    exports have 7, re-exported ones 1-5, some a 'Z'."""
+    from engine.observe.traces import _date_s, _iso_310
+
+    assert _iso_310("2023-11-16 18:15:46.68059") == "2023-11-16 18:15:46.680590"
+    assert _iso_310("2023-11-16 18:15:46.6805912") == "2023-11-16 18:15:46.680591"
+    assert _iso_310("2024-05-10T00:00:00Z") == "2024-05-10T00:00:00+00:00"
+    assert _iso_310("2024-05-10 00:00:00.5+00:00") == "2024-05-10 00:00:00.500000+00:00"
+    assert _date_s("2024-05-10T00:00:01.25Z") - _date_s("2024-05-10 00:00:00+00:00") == pytest.approx(1.25)
+
+
+@pytest.mark.parametrize("name", ["miniserve", "azure", "mooncake"])
+def test_a_byte_order_mark_is_not_part_of_the_header(tmp_path, name):
+    path = tmp_path / ("t.jsonl" if name == "mooncake" else "t.csv")
+    path.write_text("\ufeff" + FORMATS[name], encoding="utf-8")  # as Excel exports UTF-8
+    wl = generate(WorkloadConfig(arrival="trace", path=str(path), num_requests=None))
+    assert wl.prompt_tokens.tolist() == [100, 300, 200]

@@ -73,7 +73,7 @@ def detect_format(path: str | Path) -> str:
 
 def _first_line(path: str | Path) -> str:
     try:
-        with open(path, newline="") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # a byte-order mark (Excel's) is no header
             for line in f:
                 if line.strip():
                     return line
@@ -121,18 +121,24 @@ def _in_order(path, line: int, t: float, last: float) -> float:
 
 
 def _date_s(raw: str) -> float:
-    """An Azure trace's timestamp in seconds. Its fractions have 7 digits, which Python 3.10's
-    fromisoformat refuses (3.11 takes any): cut to microseconds first."""
-    return datetime.fromisoformat(_FRACTION.sub(lambda m: m.group(0)[:7], raw.strip())).timestamp()
+    """An Azure trace's timestamp in seconds (_iso_310)."""
+    return datetime.fromisoformat(_iso_310(raw)).timestamp()
 
 
-_FRACTION = re.compile(r"\.\d{7,}")
+def _iso_310(raw: str) -> str:
+    """A timestamp as Python 3.10's fromisoformat reads it (3.11 takes any ISO form): Azure's
+    fractions have 7 digits, re-exported ones 1-5 (3.10 takes 3 or 6), and a UTC 'Z' is +00:00."""
+    text = _FRACTION.sub(lambda m: "." + m.group(1)[:6].ljust(6, "0"), raw.strip())
+    return text[:-1] + "+00:00" if text.endswith(("Z", "z")) else text
+
+
+_FRACTION = re.compile(r"\.(\d+)")
 
 
 def _csv_rows(path: str | Path, fmt: str):
     t_col, p_col, o_col, unit = CSV_FORMATS[fmt]
     last = -float("inf")
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:
         for line, r in enumerate(csv.DictReader(f), start=2):
             try:
                 raw = r[t_col]
@@ -150,7 +156,7 @@ def _mooncake_rows(path: str | Path):
     """Mooncake's JSONL: ``timestamp`` in ms, ``input_length``, ``output_length``, ``hash_ids``
     (one id per 512-token block of the prompt, equal ids meaning an equal prefix)."""
     last = -float("inf")
-    with open(path) as f:
+    with open(path, encoding="utf-8-sig") as f:
         for line, text in enumerate(f, start=1):
             if not text.strip():
                 continue
