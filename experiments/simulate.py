@@ -30,7 +30,7 @@ from engine.observe.workload import WorkloadConfig
 from experiments.schema import register, to_object
 from engine.observe.metrics import write_metrics_json
 from sim import workload_requests
-from sim.bands import CALLS_ONLY, bands, replicates
+from sim.bands import CALLS_ONLY, bands, check_counts, replicates
 from sim.capacity import check_search, check_settings
 from sim.run import SimOptions, find_capacity, load_cost_model, run_workload, write_outputs
 
@@ -87,6 +87,9 @@ class Bands:
     replicates: int = 0
     seed: int = 0
     calls_noise: int = 0
+
+    def __post_init__(self) -> None:
+        check_counts(self)
 
 
 @dataclass
@@ -165,7 +168,8 @@ def main(cfg) -> None:
     print(f"completed {metrics['completed']} requests, {metrics['output_throughput_tok_s']:.1f} out tok/s, "
           f"TTFT p99 {metrics['ttft_s']['p99']:.4f} s, TPOT p99 {metrics['tpot_s']['p99']:.4f} s")
     if "capacity_req_s" in metrics:
-        print(f"capacity: {metrics['capacity_req_s']} req/s within the SLOs")
+        print(f"capacity: {metrics['capacity_req_s']:.4g} req/s within the SLOs" if metrics["capacity_req_s"] is not None
+              else "capacity: no rate searched meets the SLOs (capacity_req_s null)")
     for name, b in metrics.get("bands", {}).items():
         if isinstance(b, dict):
             print(f"  {name:18s} band p5 {b['p5']:.4g}  p50 {b['p50']:.4g}  p95 {b['p95']:.4g}")

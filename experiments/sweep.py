@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -92,9 +93,14 @@ def run_job(app: SweepApp, out_dir: Path) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="sweep")
 def main(cfg) -> None:
-    app: SweepApp = to_object(cfg, runs_model=cfg.backend == "real")
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    m = run_job(app, out_dir)
+    try:
+        app: SweepApp = to_object(cfg, runs_model=cfg.backend == "real")
+        m = run_job(app, out_dir)
+    except ValueError as err:  # a bad value in one job's list, a missing profile: one line, no traceback
+        print(f"error in job {HydraConfig.get().job.num} ({' '.join(HydraConfig.get().overrides.task)}): {err}",
+              file=sys.stderr)
+        sys.exit(2)
     load = f" load={app.load:g}" if app.load is not None else ""
     print(f"{app.backend} {app.scheduler.name} max_num_seqs={app.scheduler.max_num_seqs}{load} "
           f"rate={m['rate']:.3g}: {m['output_throughput_tok_s']:.1f} out tok/s, "

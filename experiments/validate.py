@@ -78,7 +78,7 @@ from engine.observe.workload import PLACEHOLDER_STRIDE, WorkloadConfig, generate
 from experiments.fresh_process import in_fresh_process
 from experiments.report_table import format_table
 from experiments.schema import register, to_object
-from sim.bands import BAND_METRICS, CALLS_ONLY, band, conformal_band, inside, replicates, width
+from sim.bands import BAND_METRICS, CALLS_ONLY, band, check_counts, conformal_band, inside, replicates, width
 from sim.run import load_cost_model, saturation_rate
 from sim.simulator import simulate
 from sim.executors import CostModelExecutor, physical_model
@@ -130,6 +130,7 @@ class ValidateBands:
             raise ValueError(f"bands.draw must be history or rounds, got {self.draw!r}")
         if self.history not in ("calls", "stamps"):
             raise ValueError(f"bands.history must be calls or stamps, got {self.history!r}")
+        check_counts(self)
 
 
 @dataclass

@@ -44,6 +44,14 @@ BAND_METRICS: dict[str, Callable[[dict], float]] = {
 }
 
 
+def check_counts(bands) -> None:
+    """The apps' ``bands`` settings: counts of runs, 0 for none (a negative one ran none, silently)."""
+    for name in ("replicates", "calls_noise"):
+        value = getattr(bands, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"bands.{name} must be an integer >= 0 (0: none), got {value!r}")
+
+
 def replicates(make_requests: Callable[[], Iterable[Request]], config: SchedulerConfig, cost: AnyCostModel, n: int,
                seed: int = 0, concurrency: int | None = None, run_noise: RunNoise | None = None,
                **options) -> list[SimResult]:

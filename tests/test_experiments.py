@@ -113,6 +113,15 @@ def test_tiny_sweep_real_and_simulated_then_report(tmp_path, tiny_profile):
     assert "summary.md" in out.stdout
 
 
+def test_a_bad_value_in_a_sweep_list_is_one_line_and_a_failed_exit(tmp_path, tiny_profile):
+    done = subprocess.run([sys.executable, "-m", "experiments.sweep", "-m", "backend=sim", "model=tiny",
+                           "scheduler=continuous", "scheduler.max_num_seqs=4,-1", "workload.num_requests=5", "load=0.5",
+                           f"calibration.profile={tiny_profile}", f"hydra.sweep.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "error in job 1 (" in done.stderr and "max_num_seqs must be a positive integer, got -1" in done.stderr
+
+
 def test_tiny_validation_writes_the_error_table(tmp_path, tiny_profile):
     out = run_app("experiments.validate", "model=tiny", "model.device=cpu", "model.num_threads=1",
                   f"calibration.profile={tiny_profile}", "matrix.schedulers=[static,continuous]",

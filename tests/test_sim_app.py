@@ -93,6 +93,12 @@ def test_bad_values_fail_clearly(tmp_path):
                 tmp_path / "out")
     with pytest.raises(Exception, match="workload.concurrency must be >= 1"):
         composed("workload=closed_loop", "workload.concurrency=0")
+    with pytest.raises(Exception, match=r"bands.replicates must be an integer >= 0 \(0: none\), got -3"):
+        composed("bands.replicates=-3")  # had run no replicates, silently
+    with pytest.raises(Exception, match="bands.calls_noise must be an integer >= 0"):
+        composed("bands.calls_noise=-1")
+    with pytest.raises(Exception, match="must be finite and > 0"):
+        composed("workload.rate=inf")  # had been a burst at t = 0, with Infinity in results.json
 
 
 @pytest.mark.parametrize("workload", ["seed_burst", "poisson", "gamma", "closed_loop", "trace"])

@@ -126,8 +126,10 @@ class WorkloadConfig:
             raise ValueError(f"workload.num_requests is needed for arrival={self.arrival} (only a trace has its own)")
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"workload.num_requests must be >= 1, got {self.num_requests}")
-        if not (self.rate > 0 and self.burstiness > 0 and self.time_scale > 0 and self.length_scale > 0):
-            raise ValueError("workload.rate, burstiness, time_scale and length_scale must be > 0")
+        if not all(0 < v < math.inf for v in (self.rate, self.burstiness, self.time_scale, self.length_scale)):
+            # an infinite rate was a burst at t = 0 under another name, and Infinity in results.json
+            raise ValueError("workload.rate, burstiness, time_scale and length_scale must be finite and > 0 "
+                             "(a burst is workload.arrival=burst)")
         if self.arrival == "trace" and not self.path:
             raise ValueError("workload.arrival=trace needs workload.path")
         if self.concurrency < 1:
