@@ -28,12 +28,12 @@ LOW_DECADE, HIGH_DECADE = -9, 6  # 1 ns … 11.6 days
 RELATIVE_ERROR = 10 ** (0.5 / BINS_PER_DECADE) - 1  # half a bin: 0.12 %
 FLUSH_AT = 1 << 16  # gaps buffered before they are binned
 ROWS_PER_BLOCK = 1 << 12  # compact request rows listed before they are joined into a block
-# A compact request row: COLUMNS (request_columns' arguments) in order, four times (s) then five
+# A compact request row: COLUMNS (request_columns' arguments) in order, four times (s) then six
 # counts, packed in one call per request (a typed array's append parses its argument each time,
-# nine times a request) and read back as a record array
+# ten times a request) and read back as a record array
 COLUMNS = ("arrival", "first_scheduled", "first_token", "finish", "prompt", "output", "preemptions", "cached",
-           "lookups")
-ROW = struct.Struct("=4d5q")
+           "lookups", "prefill")
+ROW = struct.Struct("=4d6q")
 ROW_DTYPE = np.dtype([(name, "=f8") for name in COLUMNS[:4]] + [(name, "=i8") for name in COLUMNS[4:]])
 
 
@@ -178,7 +178,8 @@ class RequestLog:
                                    times[0] if times else math.nan, times[-1] if times else math.nan,
                                    request.num_prompt_tokens,
                                    request.num_output_tokens,  # compact: times holds each lane stay's ends only
-                                   request.num_preemptions, request.num_cached_tokens, request.num_lookup_tokens))
+                                   request.num_preemptions, request.num_cached_tokens, request.num_lookup_tokens,
+                                   request.num_prefill_tokens))
         if len(self._rows) >= ROWS_PER_BLOCK:
             self._seal()
         self.itl.add_gaps(request.gaps_outside_lane_steps())

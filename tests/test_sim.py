@@ -191,10 +191,12 @@ def test_nothing_is_lost_at_any_rate(config, rate, n, seed, arrival, replicas, r
     wanted = {r.request_id: r.max_tokens for r in requests}
     sim = simulate(requests, config, lambda: CostModelExecutor(COST),
                    concurrency=concurrency, num_replicas=replicas, router=router, keep_token_times=not compact,
-                   timeseries=True)
+                   timeseries=True, keep_steps=True)
     m = sim.metrics()
     assert m["completed"] == n and m["failed"] == 0
     assert m["total_output_tokens"] == sum(wanted.values())
+    # the prefill its calls ran, recomputes included (was: tokens looked up, a preempted request's whole)
+    assert m["prefill_tokens_computed"] == sum(n for s in sim.steps for n, _ in s.plan.prefill_chunks)
     cols = sim.log.columns()
     assert (cols["ttft_s"] > 0).all() and (cols["queue_s"] >= 0).all()
     assert (cols["finish_s"] >= cols["first_token_s"]).all()
@@ -512,6 +514,7 @@ def test_compact_request_log_holds_what_full_records_hold_across_its_blocks():
         request = Request(f"r{i}", range(1 + i % 700), 1 + i % 5, arrival_s=i * 0.1 + 1 / 3)
         request.first_scheduled_s = None if i % 11 == 0 else request.arrival_s + i * 1e-3
         request.num_preemptions, request.num_cached_tokens, request.num_lookup_tokens = i % 3, 2**40 + i, 3 * i
+        request.num_prefill_tokens = 5 * i
         for j in range(i % 4):
             request.append_output(None, request.arrival_s + 0.5 + j * (0.01 + i * 1e-7))
         request.status = RequestStatus.FINISHED_LENGTH

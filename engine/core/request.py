@@ -62,6 +62,10 @@ class Request:
     # looked up (its num_tokens then) and tokens found cached, which it did not compute
     num_lookup_tokens: int = field(default=0, init=False)
     num_cached_tokens: int = field(default=0, init=False)
+    # prompt tokens (and, recomputed after a preemption, outputs) its model calls ran as prefill:
+    # under preemption less than looked up less cached (a request preempted after one chunk was
+    # looked up whole) and more than its prompt (a recompute runs it again)
+    num_prefill_tokens: int = field(default=0, init=False)
     _block_hashes: list[int] | None = field(default=None, init=False, repr=False)
     # progress, explicit; or, in a lane, minus the lane's clock (times: those before joining)
     _computed: int = field(default=0, init=False, repr=False)
@@ -105,6 +109,7 @@ class Request:
         self.output_logprobs = [] if output_logprobs is None else output_logprobs
         self.num_lookup_tokens = 0
         self.num_cached_tokens = 0
+        self.num_prefill_tokens = 0
         self._block_hashes = None
         self._computed = 0
         self._num_output = 0

@@ -240,6 +240,8 @@ class ServingState:
                 continue
             if request.first_scheduled_s is None:
                 request.first_scheduled_s = start_s
+            if n > 1 or not request.num_output_tokens or request.num_computed_tokens + 1 < request.num_tokens:
+                request.num_prefill_tokens += n  # not a decode: a prompt's chunk, or a recompute's
             request.num_computed_tokens += n
             if pending and request_id in pending:
                 self.kv.commit(request_id, request.block_hashes(self.config.block_size))

@@ -41,6 +41,7 @@ class RequestRecord:
     status: str = "FINISHED_LENGTH"
     lookup_tokens: int = 0  # prefix caching, over its admissions: tokens looked up
     cached_tokens: int = 0  # and found cached (not computed)
+    prefill_tokens: int = 0  # tokens its calls ran as prefill (Request.num_prefill_tokens)
 
     @classmethod
     def from_request(cls, request: Request) -> RequestRecord:
@@ -56,6 +57,7 @@ class RequestRecord:
             status=request.status.name,
             lookup_tokens=request.num_lookup_tokens,
             cached_tokens=request.num_cached_tokens,
+            prefill_tokens=request.num_prefill_tokens,
         )
 
     @property
@@ -94,14 +96,14 @@ def distribution(values: Iterable[float]) -> dict[str, float]:
 
 
 def request_columns(arrival_s, first_scheduled_s, first_token_s, finish_s, prompt_tokens, output_tokens,
-                    num_preemptions, cached_tokens, lookup_tokens) -> dict[str, np.ndarray]:
+                    num_preemptions, cached_tokens, lookup_tokens, prefill_tokens) -> dict[str, np.ndarray]:
     """Per-request arrays and the latencies derived from them (REQUEST_COLUMNS less id, status and
     token times): what summarize_columns and write_requests_csv read, from full records or the
     simulator's compact ones alike."""
     arrival, first_sched, first, finish = (np.asarray(a, dtype=float) for a in
                                            (arrival_s, first_scheduled_s, first_token_s, finish_s))
-    prompt, output, preempt, cached, lookups = (np.asarray(a, dtype=np.int64) for a in (
-        prompt_tokens, output_tokens, num_preemptions, cached_tokens, lookup_tokens))
+    prompt, output, preempt, cached, lookups, prefill = (np.asarray(a, dtype=np.int64) for a in (
+        prompt_tokens, output_tokens, num_preemptions, cached_tokens, lookup_tokens, prefill_tokens))
     ttft = first - arrival
     e2e = finish - arrival
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -109,7 +111,7 @@ def request_columns(arrival_s, first_scheduled_s, first_token_s, finish_s, promp
     return {"arrival_s": arrival, "first_scheduled_s": first_sched, "first_token_s": first, "finish_s": finish,
             "prompt_tokens": prompt, "output_tokens": output, "ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e,
             "queue_s": first_sched - arrival, "num_preemptions": preempt, "cached_tokens": cached,
-            "lookup_tokens": lookups}
+            "lookup_tokens": lookups, "prefill_tokens": prefill}
 
 
 def record_columns(records: Sequence[RequestRecord]) -> dict[str, np.ndarray]:
@@ -117,7 +119,8 @@ def record_columns(records: Sequence[RequestRecord]) -> dict[str, np.ndarray]:
                            [r.token_times_s[0] if r.token_times_s else math.nan for r in records],
                            [r.finish_s for r in records], [r.prompt_tokens for r in records],
                            [r.output_tokens for r in records], [r.num_preemptions for r in records],
-                           [r.cached_tokens for r in records], [r.lookup_tokens for r in records])
+                           [r.cached_tokens for r in records], [r.lookup_tokens for r in records],
+                           [r.prefill_tokens for r in records])
 
 
 def summarize_columns(c: dict[str, np.ndarray], itl: dict[str, float], duration_s: float | None = None,
@@ -157,14 +160,16 @@ def summarize_columns(c: dict[str, np.ndarray], itl: dict[str, float], duration_
         "queue_s": distribution(c["queue_s"][done].tolist()),
         "num_preemptions": int(c["num_preemptions"].sum()),
         **prefix_cache_metrics(int(c["lookup_tokens"].sum()), int(c["cached_tokens"].sum()),
-                               int((c["cached_tokens"] > 0).sum()), len(done)),
+                               int((c["cached_tokens"] > 0).sum()), len(done), int(c["prefill_tokens"].sum())),
     }
 
 
-def prefix_cache_metrics(queries: int, hits: int, hit_requests: int, requests: int) -> dict:
+def prefix_cache_metrics(queries: int, hits: int, hit_requests: int, requests: int, computed: int) -> dict:
     """Prefix caching's effect: tokens looked up at admission (prompt, or prompt and outputs on
     recompute) and found cached, as vLLM's prefix_cache_queries / _hits count them; requests
-    with a hit; prefill tokens saved (the hits) and computed (the rest). Zero hits when off."""
+    with a hit; prefill tokens saved (the hits) and computed (what the calls ran as prefill:
+    under preemption not queries less hits, since a request preempted midway was looked up whole).
+    Zero hits when off."""
     return {
         "prefix_cache_queries": queries,
         "prefix_cache_hits": hits,
@@ -172,7 +177,7 @@ def prefix_cache_metrics(queries: int, hits: int, hit_requests: int, requests: i
         "prefix_hit_requests": hit_requests,
         "prefix_hit_rate_requests": hit_requests / requests if requests else 0.0,
         "prefill_tokens_saved": hits,
-        "prefill_tokens_computed": queries - hits,
+        "prefill_tokens_computed": computed,
     }
 
 
@@ -187,7 +192,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float | None = None,
 
 REQUEST_COLUMNS = ("request_id", "arrival_s", "first_scheduled_s", "first_token_s", "finish_s",
                    "prompt_tokens", "output_tokens", "ttft_s", "tpot_s", "e2e_s", "queue_s",
-                   "num_preemptions", "status", "cached_tokens", "lookup_tokens", "token_times_s")
+                   "num_preemptions", "status", "cached_tokens", "lookup_tokens", "prefill_tokens", "token_times_s")
 
 
 def write_requests_csv(records: Sequence[RequestRecord], path: Path) -> None:
@@ -203,8 +208,8 @@ def write_columns_csv(ids: Sequence[str], c: dict[str, np.ndarray], statuses: Se
         w.writerow(REQUEST_COLUMNS)
         for i, rid in enumerate(ids):
             times = " ".join(repr(t) for t in token_times[i]) if token_times is not None else ""
-            w.writerow([rid, *(c[k][i].item() for k in REQUEST_COLUMNS[1:-4]), statuses[i],
-                        *(c[k][i].item() for k in REQUEST_COLUMNS[-3:-1]), times])
+            w.writerow([rid, *(c[k][i].item() for k in REQUEST_COLUMNS[1:-5]), statuses[i],
+                        *(c[k][i].item() for k in REQUEST_COLUMNS[-4:-1]), times])
 
 
 def read_requests_csv(path: Path) -> list[RequestRecord]:
@@ -216,6 +221,7 @@ def read_requests_csv(path: Path) -> list[RequestRecord]:
             prompt_tokens=int(row["prompt_tokens"]), output_tokens=int(row["output_tokens"]),
             num_preemptions=int(row["num_preemptions"]), status=row["status"],
             cached_tokens=int(row.get("cached_tokens") or 0), lookup_tokens=int(row.get("lookup_tokens") or 0),
+            prefill_tokens=int(row.get("prefill_tokens") or 0),
         ) for row in csv.DictReader(f)]
 
 
