@@ -54,7 +54,14 @@ def test_app_writes_the_real_runs_files(tmp_path):
         rows = list(csv.DictReader(f))
     assert tuple(rows[0]) == REQUEST_COLUMNS and len(rows) == 40
     calls = sum(summarize_trace(out / f"trace_replica{i}.json", 8).model_calls for i in range(2))
-    assert calls == json.loads((out / "sim.json").read_text())["num_steps"] > 0
+    info = json.loads((out / "sim.json").read_text())
+    assert calls == info["num_steps"] > 0
+    for i in range(2):  # sim.json's summaries, from the calls as written: what the files read back say
+        name = f"trace_replica{i}.json"
+        from_file, written = summarize_trace(out / name, 8).to_dict(), info["traces"][name]
+        assert from_file["calls_by_label"] == written["calls_by_label"] and written["model_calls"] > 0
+        for key in ("busy_s", "span_s", "gap_s", "occupancy_at_max"):
+            assert written[key] == pytest.approx(from_file[key], rel=1e-9, abs=1e-9)
     with open(out / "timeseries.csv") as f:
         assert len(list(csv.DictReader(f))) == calls
 
