@@ -15,7 +15,7 @@ from engine.core.model_shape import config_fingerprint, model_shape
 from engine.observe.metrics import write_metrics_json
 from engine.observe.results import Goodput
 from engine.observe.trace import parse_calls, summarize_calls, write_chrome_trace
-from engine.observe.workload import WorkloadConfig
+from engine.observe.workload import WorkloadConfig, generate
 from sim import workload_requests
 from sim.capacity import CapacityResult, search_capacity
 from sim.simulator import TIMESERIES_COLUMNS, SimResult, TimeSeries, simulate
@@ -105,10 +105,13 @@ class SimOptions:
 
 def run_workload(cost: AnyCostModel, scheduler: SchedulerConfig, workload: WorkloadConfig,
                  options: SimOptions = SimOptions()) -> SimResult:
-    requests, concurrency = workload_requests(workload, lazy=not options.keep_token_times)
-    return simulate(requests, scheduler, lambda: CostModelExecutor(cost), concurrency=concurrency,
-                    num_replicas=options.replicas, router=options.router, keep_steps=options.trace,
-                    timeseries=options.timeseries, keep_token_times=options.keep_token_times)
+    generated = generate(workload)
+    requests, concurrency = workload_requests(generated, lazy=not options.keep_token_times)
+    result = simulate(requests, scheduler, lambda: CostModelExecutor(cost), concurrency=concurrency,
+                      num_replicas=options.replicas, router=options.router, keep_steps=options.trace,
+                      timeseries=options.timeseries, keep_token_times=options.keep_token_times)
+    result.workload_clipped = generated.clipped
+    return result
 
 
 def saturation_rate(cost: AnyCostModel, scheduler: SchedulerConfig, workload: WorkloadConfig, n: int = 64) -> float:
@@ -134,6 +137,8 @@ def write_outputs(result: SimResult, out_dir: Path, max_num_seqs: int, goodput: 
     metrics.json says so too (``cost_model``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics = result.log.summarize(result.duration_s, **goodput.seconds())
+    if result.workload_clipped is not None and result.workload_clipped["requests"]:
+        metrics["workload_clipped"] = result.workload_clipped  # a trace replayed with shorter lengths
     about = describe_cost_model(cost) if cost is not None else None
     if about and (about["transfer"] or "what_if" in about):
         metrics["cost_model"] = about

@@ -56,6 +56,7 @@ class SimResult:
     duration_s: float
     num_steps: int
     num_replicas: int
+    workload_clipped: dict | None = None  # a trace's lengths cut to the workload's max (sim.run)
 
     @property
     def records(self) -> list:

@@ -203,3 +203,18 @@ def test_bad_settings_fail_before_the_simulation_with_one_line(tmp_path):
                               capture_output=True, text=True, timeout=300, check=False)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
         assert not (out / "metrics.json").exists()  # nothing ran
+
+
+def test_a_clipped_trace_says_so_in_metrics_json(tmp_path):
+    """conf/workload/trace.yaml cuts lengths to prompt.max / output.max: a replay that is not the
+    whole trace must say so where its numbers are, not only in a log line."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n0.0,100,7\n0.5,300,9\n2.0,200,11\n")
+    overrides = ["model=tiny", f"calibration.profile={tiny_profile(tmp_path / 'p.json')}", "workload=trace",
+                 f"workload.path={trace}"]
+    clipped = run_app(composed(*overrides, "workload.prompt.max=150", "workload.output.max=8"), tmp_path / "cut")
+    assert clipped["workload_clipped"] == {"requests": 2, "prompt_tokens_cut": 200, "output_tokens_cut": 4,
+                                           "prompt_tokens_kept": 400, "output_tokens_kept": 23}
+    assert json.loads((tmp_path / "cut" / "metrics.json").read_text())["workload_clipped"]["requests"] == 2
+    whole = run_app(composed(*overrides, "workload.prompt.max=1000", "workload.output.max=100"), tmp_path / "whole")
+    assert "workload_clipped" not in whole and whole["total_input_tokens"] == 600

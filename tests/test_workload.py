@@ -96,6 +96,9 @@ def test_clipped_lengths_are_counted(trace_path, caplog):
                                      prompt=LengthDist(max=150)))
     assert wl.prompt_tokens.tolist() == [100, 150, 150]
     assert "3 rows read, 0 skipped (none), 3 replayed, 2 with lengths clipped" in caplog.text
+    cut = 300 + 200 - 2 * 150  # the fixture's prompts: 100, 300, 200
+    assert wl.clipped == {"requests": 2, "prompt_tokens_cut": cut, "output_tokens_cut": 0,
+                          "prompt_tokens_kept": 400, "output_tokens_kept": int(wl.output_tokens.sum())}
 
 
 @pytest.mark.parametrize("text, error", [

@@ -146,6 +146,9 @@ class Workload:
     output_tokens: np.ndarray
     concurrency: int | None = None
     prompt_segments: Sequence[Segments] | None = None  # prompt content (prompts.py); None: lengths only
+    # a trace's requests whose lengths were cut to workload.prompt.max / output.max, and the tokens
+    # cut (trace_workload; None: not a trace): outputs record it, a replay of a trace is then not all of it
+    clipped: dict[str, int] | None = None
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -200,8 +203,12 @@ def trace_workload(cfg: WorkloadConfig) -> Workload:
     log.info(read.summary(len(arrival), clipped))
     if segments is not None:
         segments = [prompts.scale_segments(seg, 1.0, cfg.prompt.max) for seg in segments]
+    cut = {"requests": clipped, "prompt_tokens_cut": int(np.maximum(prompt - cfg.prompt.max, 0).sum()),
+           "output_tokens_cut": int(np.maximum(output - cfg.output.max, 0).sum()),
+           "prompt_tokens_kept": int(np.minimum(prompt, cfg.prompt.max).sum()),
+           "output_tokens_kept": int(np.minimum(output, cfg.output.max).sum())}
     return Workload(arrival, np.minimum(prompt, cfg.prompt.max), np.minimum(output, cfg.output.max),
-                    prompt_segments=segments)
+                    prompt_segments=segments, clipped=cut)
 
 
 def generate(cfg: WorkloadConfig) -> Workload:
