@@ -167,6 +167,11 @@ def main(cfg) -> None:
         print(f"cost model: {metrics['cost_model']['note']}")
     print(f"completed {metrics['completed']} requests, {metrics['output_throughput_tok_s']:.1f} out tok/s, "
           f"TTFT p99 {metrics['ttft_s']['p99']:.4f} s, TPOT p99 {metrics['tpot_s']['p99']:.4f} s")
+    if metrics["num_preemptions"]:  # as vLLM warns: the KV cache, not the cap, bounds this run
+        cap = app.scheduler.kv_capacity_tokens
+        print(f"warning: {metrics['num_preemptions']} preemptions (recomputed): KV capacity "
+              f"({app.scheduler.num_kv_blocks} blocks x {app.scheduler.block_size} = {cap} tokens) bounds this run; "
+              "scheduler.num_kv_blocks sets it", file=sys.stderr)
     if "capacity_req_s" in metrics:
         print(f"capacity: {metrics['capacity_req_s']:.4g} req/s within the SLOs" if metrics["capacity_req_s"] is not None
               else "capacity: no rate searched meets the SLOs (capacity_req_s null)")

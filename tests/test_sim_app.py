@@ -218,3 +218,16 @@ def test_a_clipped_trace_says_so_in_metrics_json(tmp_path):
     assert json.loads((tmp_path / "cut" / "metrics.json").read_text())["workload_clipped"]["requests"] == 2
     whole = run_app(composed(*overrides, "workload.prompt.max=1000", "workload.output.max=100"), tmp_path / "whole")
     assert "workload_clipped" not in whole and whole["total_input_tokens"] == 600
+
+
+def test_a_run_bound_by_kv_capacity_says_so(tmp_path):
+    """As vLLM warns on preemption: a cap the KV cache cannot hold thrashes (recomputes), and the
+    numbers are the cache's, not the cap's."""
+    proc = subprocess.run([sys.executable, "-m", "experiments.simulate", "model=tiny",
+                           f"calibration.profile={tiny_profile(tmp_path / 'p.json')}", "workload=seed_burst",
+                           "workload.num_requests=8", "workload.prompt.value=60", "scheduler.num_kv_blocks=12",
+                           f"hydra.run.dir={tmp_path / 'out'}"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    preempted = json.loads((tmp_path / "out" / "metrics.json").read_text())["num_preemptions"]
+    assert preempted > 0 and f"warning: {preempted} preemptions (recomputed)" in proc.stderr
+    assert "12 blocks x 16 = 192 tokens" in proc.stderr
