@@ -176,6 +176,9 @@ SCHEDULERS = st.sampled_from([
     SchedulerConfig(name="continuous", max_num_seqs=4, max_num_batched_tokens=32, long_prefill_token_threshold=8),
     SchedulerConfig(name="continuous", max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=16,
                     num_kv_blocks=12, block_size=8, max_model_len=96),  # preempts
+    SchedulerConfig(name="continuous", max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=16,
+                    num_kv_blocks=12, block_size=8, max_model_len=96, enable_prefix_caching=True),  # and re-admits
+    # from the cache: a whole-block prompt with one output comes back as a 1-token prefill chunk
 ])
 
 
@@ -556,3 +559,28 @@ def test_itl_sketch_counts_series_of_gaps_and_single_ones():
         assert got[f"p{p}"] == pytest.approx(np.percentile(expected, p), rel=3e-3)
 
 
+
+
+def test_prefill_tokens_count_a_one_token_chunk_after_a_cached_readmission():
+    """A preempted request with one output and a whole-block prompt comes back with its prompt
+    cached and runs its output as a 1-token prefill chunk, which a decode-looking guess had not
+    counted (a final review's seed 197)."""
+    import random
+
+    from collections import defaultdict
+
+    rnd, bs = random.Random(197), 8
+    config = SchedulerConfig(name="continuous", max_num_seqs=rnd.randint(2, 8), max_num_batched_tokens=64,
+                             long_prefill_token_threshold=rnd.choice([8, 16, 64]), num_kv_blocks=rnd.randint(8, 14),
+                             block_size=bs, max_model_len=96, enable_prefix_caching=True)
+    base = [rnd.randrange(100) for _ in range(64)]
+    requests = sorted((Request(f"r{i}", base[: bs * rnd.randint(1, 4)], rnd.randint(1, 6), arrival_s=rnd.random() * 0.01)
+                       for i in range(rnd.randint(4, 16))), key=lambda r: r.arrival_s)
+    sim = simulate(requests, config, lambda: CostModelExecutor(COST), keep_steps=True)
+    chunks = defaultdict(list)
+    for step in sim.steps:
+        for request_id, (n, _) in zip(step.plan.request_ids[step.plan.num_decodes:], step.plan.prefill_chunks):
+            chunks[request_id].append(n)
+    assert any(1 in c and r.num_preemptions for r in sim.records for c in [chunks[r.request_id]])
+    assert {r.request_id: r.prefill_tokens for r in sim.records} == {r.request_id: sum(chunks[r.request_id])
+                                                                      for r in sim.records}

@@ -223,6 +223,7 @@ class ServingState:
                 return finished
             entries = zip(plan.ids, plan.tokens, plan.sampled)
             k = plan.lane_size
+            decodes = plan.explicit_decodes  # the entries' first ones (the lane's are not listed)
         else:  # request by request (a flushed lane writes the members' progress back); also a plan
             # whose decodes-together lost a member to an abort while the call ran
             finished = []
@@ -230,18 +231,20 @@ class ServingState:
             lane.last_continuing = 0
             entries = zip(plan.request_ids, plan.num_tokens, plan.samples)
             k = 0
+            decodes = plan.num_decodes
         requests = self.requests
         joining: list[Request] = []
         pending = self.kv.pending  # prefix blocks this step computed, to be cached now
         for request_id, n, sampled in entries:
             request = requests.get(request_id)
+            decodes -= 1
             if request is None:  # aborted while the call ran
                 k += sampled
                 continue
             if request.first_scheduled_s is None:
                 request.first_scheduled_s = start_s
-            if n > 1 or not request.num_output_tokens or request.num_computed_tokens + 1 < request.num_tokens:
-                request.num_prefill_tokens += n  # not a decode: a prompt's chunk, or a recompute's
+            if decodes < 0:  # a prefill chunk (a prompt's, or a recompute's: one token may be left)
+                request.num_prefill_tokens += n
             request.num_computed_tokens += n
             if pending and request_id in pending:
                 self.kv.commit(request_id, request.block_hashes(self.config.block_size))
