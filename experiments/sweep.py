@@ -98,8 +98,10 @@ def main(cfg) -> None:
         app: SweepApp = to_object(cfg, runs_model=cfg.backend == "real")
         m = run_job(app, out_dir)
     except ValueError as err:  # a bad value in one job's list, a missing profile: one line, no traceback
-        print(f"error in job {HydraConfig.get().job.num} ({' '.join(HydraConfig.get().overrides.task)}): {err}",
-              file=sys.stderr)
+        hydra_cfg = HydraConfig.get()
+        job = OmegaConf.select(hydra_cfg, "job.num", default=None)  # unset in a single run (no -m)
+        where = f" in job {job} ({' '.join(hydra_cfg.overrides.task)})" if job is not None else ""
+        print(f"error{where}: {err}", file=sys.stderr)
         sys.exit(2)
     load = f" load={app.load:g}" if app.load is not None else ""
     print(f"{app.backend} {app.scheduler.name} max_num_seqs={app.scheduler.max_num_seqs}{load} "

@@ -120,6 +120,12 @@ def test_a_bad_value_in_a_sweep_list_is_one_line_and_a_failed_exit(tmp_path, tin
                           capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "error in job 1 (" in done.stderr and "max_num_seqs must be a positive integer, got -1" in done.stderr
+    single = subprocess.run([sys.executable, "-m", "experiments.sweep", "backend=sim", "model=tiny",
+                             "scheduler.max_num_seqs=-1", f"calibration.profile={tiny_profile}",
+                             f"hydra.run.dir={tmp_path / 'single'}"], capture_output=True, text=True, timeout=600,
+                            cwd=REPO_ROOT)  # no -m: a single job has no number
+    assert single.returncode == 2 and "Traceback" not in single.stderr
+    assert "error: scheduler.max_num_seqs must be a positive integer, got -1" in single.stderr
 
 
 def test_tiny_validation_writes_the_error_table(tmp_path, tiny_profile):
