@@ -161,3 +161,26 @@ def test_metrics_count_prefix_cache_queries_and_hits_under_vllms_names():
         assert m['vllm:prefix_cache_queries_total{model_name="tiny"}'] == 20
         assert m['vllm:prefix_cache_hits_total{model_name="tiny"}'] == 8
         assert m["miniserve:prefix_cache_hit_requests_total"] == 1
+
+
+def test_the_port_is_bound_as_asyncio_binds_it_and_a_taken_one_is_refused():
+    """serve() binds before the model is built (bind_sockets): one socket per address the name
+    resolves to, IPv6 ones IPv6-only as asyncio's create_server makes them."""
+    import socket
+
+    from engine.serving.app import bind_sockets
+
+    resolved = {info[4][:2] for info in socket.getaddrinfo("localhost", 0, type=socket.SOCK_STREAM)}
+    sockets = bind_sockets("localhost", 0)
+    try:
+        assert {s.getsockname()[0] for s in sockets} == {host for host, _ in resolved}
+        for s in sockets:
+            if s.family == socket.AF_INET6:
+                assert s.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 1
+        taken = sockets[0].getsockname()[1]
+        sockets[0].listen()
+        with pytest.raises(OSError):
+            bind_sockets("127.0.0.1", taken) if sockets[0].family == socket.AF_INET else bind_sockets("::1", taken)
+    finally:
+        for s in sockets:
+            s.close()

@@ -18,6 +18,7 @@ import logging
 import os
 import resource
 import signal
+import socket
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -387,9 +388,12 @@ def serve(model: ModelConfig, scheduler: SchedulerConfig, server: ServerConfig) 
     # uvicorn re-raises the signal it handled once it has shut down; with the default handler
     # that would kill the process after a clean shutdown, so the restored handler does nothing.
     try:  # the port first, as vLLM does: a taken one fails now, not after the model is built
-        sockets = [config.bind_socket()]
-    except SystemExit as exc:  # uvicorn has logged why (its exit status 3: startup failure)
-        return exc.code if isinstance(exc.code, int) else 3
+        sockets = bind_sockets(server.host, server.port)
+    except OSError as err:
+        log.error("cannot listen on %s:%d: %s", server.host, server.port, err)
+        return 3  # uvicorn's own status for a failed startup
+    log.info("listening on http://%s:%d; the engine is built now (/health answers 503 until it is ready)",
+             server.host, server.port)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     uvicorn_server = _Server(config, on_signal=draining)
@@ -401,7 +405,9 @@ def serve(model: ModelConfig, scheduler: SchedulerConfig, server: ServerConfig) 
         # a forced quit (a second signal) skips the lifespan's shutdown: stop the engine and write
         # the trace here (both once); a process that ended with the engine thread inside a torch
         # call was killed by SIGABRT in the interpreter's teardown
-        thread.stop(timeout_s=FORCED_STOP_S if uvicorn_server.force_exit else 30.0)
+        # a forced quit, or a second stop of a thread the lifespan already waited on (a model
+        # still loading), waits briefly
+        thread.stop(timeout_s=FORCED_STOP_S if uvicorn_server.force_exit or thread.stop_requested else 30.0)
         write_trace()
         if uvicorn_server.force_exit and not thread.alive:
             log.info("engine stopped (forced quit: requests in flight were cut)")
@@ -413,6 +419,27 @@ def serve(model: ModelConfig, scheduler: SchedulerConfig, server: ServerConfig) 
         log.error("%s", thread.error)
         return 1
     return 0
+
+
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """The sockets asyncio's create_server would bind for (host, port): one per address the name
+    resolves to (``localhost``: 127.0.0.1 and ::1), IPv6 ones IPv6-only, the port reusable at
+    once after a restart; made before the model is built so that a taken port fails at once."""
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(
+                socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 def _check_fd_limit(max_connections: int) -> None:

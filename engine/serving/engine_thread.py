@@ -171,6 +171,7 @@ class EngineThread:
         self._refusing: str | None = None  # set once shutdown has cancelled everything
         self._closed: str | None = None  # why the loop ended; submit() refuses from then on
         self._thread = threading.Thread(target=self._main, name="miniserve-engine", daemon=True)
+        self.stop_requested = False  # stop() was called (it waits a bounded time: a model still loading)
 
     # --- called from the HTTP side -------------------------------------------------------------
     def start(self) -> None:
@@ -204,6 +205,7 @@ class EngineThread:
         """Cancel whatever is still in flight and end the thread; again, or before start, nothing."""
         if self._thread.ident is None or not self._thread.is_alive():
             return
+        self.stop_requested = True
         self._inbox.put(_STOP)
         self._thread.join(timeout_s)
 
