@@ -162,3 +162,17 @@ def test_only_the_builds_used_last_are_kept(tmp_path):
     left = sorted(p.name for p in tmp_path.iterdir())
     assert len(left) == compiled.KEEP_BUILDS
     assert left == [f"{i:016x}" for i in range(12 - compiled.KEEP_BUILDS, 12)]
+
+
+def test_a_build_cut_short_is_not_taken_as_built(tmp_path):
+    """build() returns an existing build only where its manifest reads and its libraries have their
+    sizes: one cut short by a crash (an empty manifest, a truncated library) is built again."""
+    build = tmp_path / "key"
+    build.mkdir()
+    (build / "m.so").write_bytes(bytes(100))
+    (build / "manifest.json").write_text(json.dumps({"modules": {"m": "m.so"}, "bytes": {"m": 100}}))
+    assert compiled._intact(build)
+    (build / "m.so").write_bytes(bytes(10))
+    assert not compiled._intact(build)
+    (build / "manifest.json").write_text("")
+    assert not compiled._intact(build)

@@ -158,7 +158,11 @@ def build(python: str = sys.executable, retry_failed: bool = True) -> Path:
     out = root / key
     failed = root / f"{key}.failed"
     if (out / "manifest.json").is_file():
-        return out
+        if _intact(out):
+            return out
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)  # cut short by a crash: built again
     if not retry_failed and failed.is_file():
         raise RuntimeError(f"an earlier build for these sources failed ({failed}; `make compiled` retries):\n"
                            + failed.read_text()[-2000:])
@@ -206,8 +210,10 @@ def _build(python: str, key: str, out: Path) -> None:
             if missing:
                 raise RuntimeError(f"mypyc built no extension for {missing}")
             sizes = {name: (staging / rel).stat().st_size for name, rel in modules.items()}
-            (staging / "manifest.json").write_text(json.dumps({"key": key, "modules": modules, "bytes": sizes},
-                                                              indent=1))
+            with open(staging / "manifest.json", "w") as manifest:
+                manifest.write(json.dumps({"key": key, "modules": modules, "bytes": sizes}, indent=1))
+                manifest.flush()
+                os.fsync(manifest.fileno())
             staging.rename(out)  # atomic: a reader sees a whole build or none
         except OSError:
             if not (out / "manifest.json").is_file():
@@ -215,6 +221,15 @@ def _build(python: str, key: str, out: Path) -> None:
             # another process built the same sources meanwhile: theirs is as good
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _intact(build: Path) -> bool:
+    """Whether a build's manifest reads and every library in it has the size it was built at."""
+    try:
+        recorded = json.loads((build / "manifest.json").read_text())
+        return all((build / recorded["modules"][m]).stat().st_size == size for m, size in recorded["bytes"].items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _prune(root: Path, keep: Path) -> None:

@@ -206,7 +206,15 @@ def _build_lock() -> Iterator[None]:
         yield
         return
     with open(folder / "miniserve-build.lock", "a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process's build of miniserve's kernels (%s)", folder)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        except OSError as err:  # no locks on this file system (NFS without lockd): torch's lock alone
+            log.warning("no build lock in %s (%s): concurrent builds rely on torch's own", folder, err)
+            yield
+            return
         leftover = folder / "lock"
         if leftover.exists():
             leftover.unlink(missing_ok=True)
