@@ -19,7 +19,8 @@ contended again stays flagged (``contended_runs``). Every attempt is in real_run
 
 Per metric: the real median, min, max and coefficient of variation; the deterministic simulation's
 error against the median; a row passes when |sim − median| ≤ max(tolerance, half the real spread
-(max − min) / 2, relative to the median). ``sim_moves``: how far the simulation moves when every
+(max − min) / 2, relative to the median; occupancy's, a share that is 0 where a row never reaches
+its cap, in points of that share: ABSOLUTE_KINDS). ``sim_moves``: how far the simulation moves when every
 call is ``sensitivity`` (2%) slower or faster; a static batch that a request just makes or misses
 can move a TTFT p50 by tens of percent for 2%, and a miss there says more about the metric than
 the simulator (the table counts those that move past their tolerance as ill-conditioned).
