@@ -108,7 +108,7 @@ def run_workload(cost: AnyCostModel, scheduler: SchedulerConfig, workload: Workl
     generated = generate(workload)
     requests, concurrency = workload_requests(generated, lazy=not options.keep_token_times)
     result = simulate(requests, scheduler, lambda: CostModelExecutor(cost), concurrency=concurrency,
-                      num_replicas=options.replicas, router=options.router, keep_steps=options.trace,
+                      num_replicas=options.replicas, router=options.router, keep_calls=options.trace,
                       timeseries=options.timeseries, keep_token_times=options.keep_token_times)
     result.workload_clipped = generated.clipped
     return result
@@ -146,14 +146,12 @@ def write_outputs(result: SimResult, out_dir: Path, max_num_seqs: int, goodput: 
     result.log.write_csv(out_dir / "requests.csv")
     info: dict = {"num_steps": result.num_steps, "num_replicas": result.num_replicas, "cost_model": about,
                   "traces": {}}
-    if result.steps:
+    if result.steps or result.calls:
         for i in range(result.num_replicas):
             name = "trace.json" if result.num_replicas == 1 else f"trace_replica{i}.json"
-            write_chrome_trace((s.trace_call for s in result.steps if s.replica == i), out_dir / name,
-                               process_name=f"miniserve-sim-{i}")
+            write_chrome_trace(result.replica_calls(i), out_dir / name, process_name=f"miniserve-sim-{i}")
             # the same calls as the file holds, not read back from it (a 557 MB file took 21 s)
-            info["traces"][name] = summarize_calls(
-                parse_calls(s.trace_call for s in result.steps if s.replica == i), max_num_seqs).to_dict()
+            info["traces"][name] = summarize_calls(parse_calls(result.replica_calls(i)), max_num_seqs).to_dict()
     if result.timeseries is not None:
         write_timeseries_csv(result.timeseries, out_dir / "timeseries.csv")
     (out_dir / "sim.json").write_text(json.dumps(info, indent=2) + "\n")

@@ -48,6 +48,40 @@ class TimeSeries:
         return zip(self.time_s, self.replica, self.queue, self.active, self.kv_blocks_used)
 
 
+class CallLog:
+    """Each model call as a Chrome trace needs it, (label, start, duration, replica), in typed
+    arrays with the labels interned: ~22 bytes a call, where a StepRecord keeping its plan takes
+    ~600 (a serial replay of an hour-long trace makes 3.8 M calls: 3.4 GB of step records)."""
+
+    def __init__(self) -> None:
+        self._index: dict[str, int] = {}
+        self.names: list[str] = []
+        self.label = array("l")
+        self.start_s = array("d")
+        self.dur_s = array("d")
+        self.replica = array("l")
+
+    def add(self, label: str, start_s: float, dur_s: float, replica: int) -> None:
+        i = self._index.get(label)
+        if i is None:
+            i = self._index[label] = len(self.names)
+            self.names.append(label)
+        self.label.append(i)
+        self.start_s.append(start_s)
+        self.dur_s.append(dur_s)
+        self.replica.append(replica)
+
+    def __len__(self) -> int:
+        return len(self.label)
+
+    def of_replica(self, replica: int) -> Iterator[tuple[str, float, float]]:
+        """(label, start_s, dur_s) of one replica's calls, in order (write_chrome_trace's input)."""
+        names = self.names
+        for i, start, dur, r in zip(self.label, self.start_s, self.dur_s, self.replica):
+            if r == replica:
+                yield names[i], start, dur
+
+
 @dataclass
 class SimResult:
     log: RequestLog
@@ -57,6 +91,7 @@ class SimResult:
     num_steps: int
     num_replicas: int
     workload_clipped: dict | None = None  # a trace's lengths cut to the workload's max (sim.run)
+    calls: CallLog | None = None  # keep_calls: every call as a trace needs it, compactly
 
     @property
     def records(self) -> list:
@@ -71,6 +106,12 @@ class SimResult:
     def trace_calls(self) -> list[tuple[str, float, float]]:
         """(label, start_s, dur_s) per model call, for engine.observe.trace.write_chrome_trace."""
         return [s.trace_call for s in self.steps]
+
+    def replica_calls(self, replica: int) -> Iterator[tuple[str, float, float]]:
+        """One replica's (label, start_s, dur_s), from the call log or the steps, whichever was kept."""
+        if self.calls is not None:
+            return self.calls.of_replica(replica)
+        return (s.trace_call for s in self.steps if s.replica == replica)
 
 
 EARLY_DELIVERIES = 64  # requests handed to a load-blind router before they arrive
@@ -131,12 +172,12 @@ class Replica:
         env, core, executor, sim = self.env, self.core, self.executor, self.sim
         state, arrivals = core.state, core.arrivals  # (core's methods are called on it: compiled, natively)
         timeout, peek = env.timeout, env.peek
-        steps, series, log = sim.steps, sim.timeseries, sim.log
+        steps, series, log, calls = sim.steps, sim.timeseries, sim.log, sim.calls
         kv, waiting, running, finished_list = state.kv, state.waiting, state.running, state.finished
         # compact records count the gaps of requests decoding together here, once per step
         itl = None if log.keep_token_times else log.itl
         # repeated decodes-only steps run at once (EngineCore.repeat_decodes) unless each step is kept
-        repeat = steps is None and series is None and self.repeat
+        repeat = steps is None and series is None and calls is None and self.repeat
         check = sim.check
         rest, decode_costs = executor.rest, executor.decode_costs
         idle_from: float | None = None  # since when nothing could run
@@ -168,6 +209,8 @@ class Replica:
             end, ready = result.end_s, result.ready_s
             if steps is not None:
                 steps.append(StepRecord(plan.materialize(), now, end, result.duration_s, self.index))
+            if calls is not None:
+                calls.add(plan.label, end - result.duration_s, result.duration_s, self.index)
             if series is not None:
                 series.time_s.append(now)
                 series.replica.append(self.index)
@@ -218,12 +261,14 @@ class Simulation:
 
     def __init__(self, config: SchedulerConfig, make_executor: Callable[[], SimExecutor], num_replicas: int = 1,
                  router: str = "round_robin", keep_steps: bool = False, timeseries: bool = False,
-                 keep_token_times: bool = True, repeat_decodes: bool = True, check: bool = False) -> None:
+                 keep_token_times: bool = True, repeat_decodes: bool = True, check: bool = False,
+                 keep_calls: bool = False) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         self.env = simpy.Environment()
         self.router = make_router(router)
         self.steps: list[StepRecord] | None = [] if keep_steps else None
+        self.calls: CallLog | None = CallLog() if keep_calls else None  # a trace without the steps
         self.timeseries = TimeSeries() if timeseries else None
         self.log = RequestLog(keep_token_times)
         self.on_finish: Callable[[int, float], None] | None = None
@@ -317,6 +362,7 @@ class Simulation:
             duration_s=max((rep.last_end_s for rep in self.replicas), default=0.0),
             num_steps=sum(rep.num_steps for rep in self.replicas),
             num_replicas=len(self.replicas),
+            calls=self.calls,
         )
 
 

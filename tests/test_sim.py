@@ -584,3 +584,21 @@ def test_prefill_tokens_count_a_one_token_chunk_after_a_cached_readmission():
     assert any(1 in c and r.num_preemptions for r in sim.records for c in [chunks[r.request_id]])
     assert {r.request_id: r.prefill_tokens for r in sim.records} == {r.request_id: sum(chunks[r.request_id])
                                                                       for r in sim.records}
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_the_call_log_holds_what_the_step_records_give_a_trace(replicas):
+    """keep_calls (sim.run's traces) keeps (label, start, duration, replica) compactly instead of
+    each step's plan: the same calls, in the same order, as the step records give."""
+    workload = WorkloadConfig(arrival="poisson", num_requests=40, rate=50.0, seed=3,
+                              prompt=LengthDist(kind="uniform", low=1, high=40),
+                              output=LengthDist(kind="uniform", low=1, high=24))
+    config = SchedulerConfig(name="continuous", max_num_seqs=8, max_num_batched_tokens=64,
+                             long_prefill_token_threshold=16, num_kv_blocks=12, block_size=8, max_model_len=96)
+    runs = [simulate(workload_requests(workload)[0], config, lambda: CostModelExecutor(COST), num_replicas=replicas,
+                     router="least_outstanding", **{keep: True}) for keep in ("keep_steps", "keep_calls")]
+    steps, calls = runs
+    assert len(calls.calls) == steps.num_steps == len(steps.steps) > 0 and len(calls.calls.names) < len(calls.calls)
+    for i in range(replicas):
+        assert list(calls.replica_calls(i)) == list(steps.replica_calls(i))
+    assert steps.metrics() == calls.metrics()
