@@ -111,11 +111,15 @@ class CostModelExecutor:
             terms = self._decode_terms[num_decodes] = (fixed * self.time_scale, per_context * self.time_scale)
         return terms
 
+    def idle_extra_s(self, idle_s: float) -> float:
+        """What the first call after ``idle_s`` of rest takes more (the profile's ``after_idle``)."""
+        return self._after_idle.extra(idle_s) * self.time_scale
+
     def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:
         duration = self.call_s(plan)
         before = self._before
         if self._idle_s:  # the first call after the engine sat idle (threads asleep, caches cold)
-            duration += self._after_idle.extra(self._idle_s) * self.time_scale
+            duration += self.idle_extra_s(self._idle_s)
             before = self._idle_before
             self._idle_s = 0.0
         end = start_s + before + duration
@@ -253,17 +257,16 @@ class MeasuredCallsExecutor(CostModelExecutor):
         self.index = 0
         self.diverged_at: int | None = None
 
-    def execute(self, plan: BatchPlan, requests: Mapping[str, Request], start_s: float) -> StepResult:
+    def call_s(self, plan: BatchPlan) -> float:
+        """The next recorded call's duration while the plans match, else the cost model's."""
         i, self.index = self.index, self.index + 1
         if self.diverged_at is None and (i >= len(self.steps) or _shape(plan) != _shape(self.steps[i].plan)):
             self.diverged_at = i
-        if self.diverged_at is not None:
-            return super().execute(plan, requests, start_s)
-        before = self._idle_before if self._idle_s else self._before
-        self._idle_s = 0.0
-        duration = self.steps[i].model_s
-        end = start_s + before + duration
-        return StepResult(None, duration, end, end + self._after)
+        return super().call_s(plan) if self.diverged_at is not None else self.steps[i].model_s
+
+    def idle_extra_s(self, idle_s: float) -> float:
+        # a matched call's record has its extra after a rest already
+        return super().idle_extra_s(idle_s) if self.diverged_at is not None else 0.0
 
     def decode_costs(self, num_decodes: int) -> None:
         return None  # every step is matched against the record
