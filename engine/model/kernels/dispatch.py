@@ -414,31 +414,31 @@ def agreed_choices(measure_once: Callable[[], dict[int, dict[str, float]]], trie
     for one row that way, halving serial decode), but rarely the same wrong one twice. Measures
     up to ``tries`` times and keeps each row class's majority; ``settled`` is False when no two
     measurements agreed on every row (the table is then used, not cached)."""
-    runs = []
-    for _ in range(tries):
-        timings = measure_once()
-        runs.append((choose_rows(timings), timings))
-        for i, (earlier, _) in enumerate(runs[:-1]):
-            if earlier == runs[-1][0]:
-                return runs[-1][0], timings, True
-    votes = [max(set(col), key=col.count) for col in zip(*(c for c, _ in runs))]
-    return votes, runs[-1][1], False
+    return _agreed(measure_once, choose_rows, tries)
 
 
 def agreed_attention(measure_once: Callable[[], dict[str, dict[str, float]]], tries: int = 3
                      ) -> tuple[dict[str, str], dict[str, dict[str, float]], bool]:
-    """Each phase's attention choice as ``agreed_choices`` makes the linears': two measurements must
-    pick the same (one, under a neighbour's scheduler slice, had timed the kernel at 15.4 ms
-    against SDPA's 4.1 for a bf16 prefill chunk, where again it took 0.55 ms against 1.41, and
-    the choice was cached)."""
-    runs: list[tuple[dict[str, str], dict[str, dict[str, float]]]] = []
+    """Each phase's attention choice by the same rule as the linears' (agreed_choices): one
+    measurement, under a neighbour's scheduler slice, had timed the kernel at 15.4 ms against
+    SDPA's 4.1 for a bf16 prefill chunk, where again it took 0.55 ms against 1.41, and the choice
+    was cached."""
+    picks, timings, settled = _agreed(measure_once, lambda t: [choose(t[phase]) for phase in PHASES], tries)
+    return dict(zip(PHASES, picks)), timings, settled
+
+
+def _agreed(measure_once: Callable[[], dict], pick: Callable[[dict], list[str]], tries: int
+            ) -> tuple[list[str], dict, bool]:
+    """``pick`` of up to ``tries`` measurements, until one equals an earlier one (settled); else
+    each position's majority, from the last measurement's timings (not settled)."""
+    runs: list[tuple[list[str], dict]] = []
     for _ in range(tries):
         timings = measure_once()
-        picks = {phase: choose(timings[phase]) for phase in PHASES}
-        if any(earlier == picks for earlier, _ in runs):
-            return picks, timings, True
-        runs.append((picks, timings))
-    votes = {phase: max((p[phase] for p, _ in runs), key=[p[phase] for p, _ in runs].count) for phase in PHASES}
+        choice = pick(timings)
+        if any(earlier == choice for earlier, _ in runs):
+            return choice, timings, True
+        runs.append((choice, timings))
+    votes = [max(set(col), key=col.count) for col in zip(*(c for c, _ in runs))]
     return votes, runs[-1][1], False
 
 
