@@ -118,7 +118,7 @@ def _install() -> bool:
         raise FileNotFoundError(f"the build in {build} lacks {', '.join(missing)}")
     # a library cut short (a crash or a full disk while it was copied) is loaded by the dynamic
     # linker regardless and kills the process (SIGBUS) at the first import: sizes are checked first
-    damaged = [m for m, size in recorded["bytes"].items() if os.path.getsize(files[m]) != size]
+    damaged = _cut_short(build, recorded)
     if damaged:
         raise OSError(f"the build in {build} is damaged ({', '.join(damaged)}: not the size it was built at)")
     try:
@@ -223,11 +223,15 @@ def _build(python: str, key: str, out: Path) -> None:
             shutil.rmtree(staging, ignore_errors=True)
 
 
+def _cut_short(build: Path, recorded: dict) -> list[str]:
+    """The libraries of a build whose size is not the one its manifest recorded."""
+    return [m for m, size in recorded["bytes"].items() if (build / recorded["modules"][m]).stat().st_size != size]
+
+
 def _intact(build: Path) -> bool:
     """Whether a build's manifest reads and every library in it has the size it was built at."""
     try:
-        recorded = json.loads((build / "manifest.json").read_text())
-        return all((build / recorded["modules"][m]).stat().st_size == size for m, size in recorded["bytes"].items())
+        return not _cut_short(build, json.loads((build / "manifest.json").read_text()))
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
