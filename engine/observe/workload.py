@@ -203,12 +203,11 @@ def trace_workload(cfg: WorkloadConfig) -> Workload:
     log.info(read.summary(len(arrival), clipped))
     if segments is not None:
         segments = [prompts.scale_segments(seg, 1.0, cfg.prompt.max) for seg in segments]
-    cut = {"requests": clipped, "prompt_tokens_cut": int(np.maximum(prompt - cfg.prompt.max, 0).sum()),
-           "output_tokens_cut": int(np.maximum(output - cfg.output.max, 0).sum()),
-           "prompt_tokens_kept": int(np.minimum(prompt, cfg.prompt.max).sum()),
-           "output_tokens_kept": int(np.minimum(output, cfg.output.max).sum())}
-    return Workload(arrival, np.minimum(prompt, cfg.prompt.max), np.minimum(output, cfg.output.max),
-                    prompt_segments=segments, clipped=cut)
+    kept_prompt, kept_output = np.minimum(prompt, cfg.prompt.max), np.minimum(output, cfg.output.max)
+    cut = {"requests": clipped, "prompt_tokens_cut": int((prompt - kept_prompt).sum()),
+           "output_tokens_cut": int((output - kept_output).sum()),
+           "prompt_tokens_kept": int(kept_prompt.sum()), "output_tokens_kept": int(kept_output.sum())}
+    return Workload(arrival, kept_prompt, kept_output, prompt_segments=segments, clipped=cut)
 
 
 def generate(cfg: WorkloadConfig) -> Workload:

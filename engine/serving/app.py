@@ -404,9 +404,8 @@ def serve(model: ModelConfig, scheduler: SchedulerConfig, server: ServerConfig) 
             timer.cancel()
         # a forced quit (a second signal) skips the lifespan's shutdown: stop the engine and write
         # the trace here (both once); a process that ended with the engine thread inside a torch
-        # call was killed by SIGABRT in the interpreter's teardown
-        # a forced quit, or a second stop of a thread the lifespan already waited on (a model
-        # still loading), waits briefly
+        # call was killed by SIGABRT in the interpreter's teardown. A forced quit, or a second stop
+        # of a thread the lifespan already waited on (a model still loading), waits briefly
         thread.stop(timeout_s=FORCED_STOP_S if uvicorn_server.force_exit or thread.stop_requested else 30.0)
         write_trace()
         if uvicorn_server.force_exit and not thread.alive:
