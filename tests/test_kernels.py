@@ -370,6 +370,7 @@ def test_the_engine_runs_each_row_count_on_the_candidate_the_table_chose(monkeyp
     monkeypatch.setattr(dispatch, "linear_choices", lambda dtype: choices)
     runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=4, max_model_len=256))
     lean = runner._lean
+    lean.stack = None  # the Python loop's calls, one per product (the one-call layers: test_model_runner.py)
     assert all(p.panels is not None and p.packed is not None and p.plain is not None for p in lean.projections)
     calls = []
     for name in ("gemv", "onednn_linear", "linear"):

@@ -1,5 +1,6 @@
 """The packed ragged forward is exact: per-request logits equal an unbatched reference forward."""
 
+import dataclasses
 import gc
 import os
 import subprocess
@@ -311,3 +312,77 @@ def test_slots_are_reused_after_free_and_resume_needs_a_slot():
         runner.execute(BatchPlan("continuous", ("a",), (1,), (3,), (True,), 1), reqs)
     reqs["c"] = Request("c", [6], 1)
     runner.execute(BatchPlan("continuous", ("c",), (1,), (0,), (True,), 0), reqs)  # takes a's slot
+
+
+class CountingLayers:
+    """Stands in for the lean forward's DecoderLayers, counting the steps it runs."""
+
+    def __init__(self, layers) -> None:
+        self.layers, self.calls = layers, 0
+
+    def run(self, *args):
+        self.calls += 1
+        return self.layers.run(*args)
+
+
+def sampled_logits(runner: ModelRunner, config: SchedulerConfig, requests: list[Request]) -> tuple[list, int]:
+    rows = []
+    steps, _, _ = drive(runner, config, requests, lambda tokens, row, token: rows.append(row.clone()))
+    return rows, steps
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model", ["qwen2", "qwen3"])
+def test_the_layers_in_one_call_give_the_python_loops_logits_bit_for_bit(model, dtype, tmp_path, monkeypatch):
+    """Where every product runs on the gemv and every token attends on the kernel, a step's layers run
+    as one C++ call (kernels.decoder_layers): the same kernels in the same order as the Python loop,
+    so the same bits, on every step, Qwen3's q/k norms included."""
+    force_dispatch(monkeypatch, "linear=gemv,attention=kernel")
+    if "gemv" not in dispatch.linear_candidates(getattr(torch, dtype)):
+        pytest.skip(f"no {dtype} gemv on this machine (as masked)")
+    model_config = tiny_qwen3(tmp_path) if model == "qwen3" else ModelConfig(name="tiny")
+    model_config = dataclasses.replace(model_config, dtype=dtype)
+    config = SchedulerConfig(name="continuous", max_num_seqs=4, max_num_batched_tokens=16,
+                             long_prefill_token_threshold=6)
+    runner = ModelRunner(model_config, config)
+    lean = runner._lean
+    if runner.attention_kernel is None or lean.ops is engine_kernels.TORCH_LAYER_OPS:
+        pytest.skip("no attention kernel or layer ops on this machine (as masked)")
+    assert lean.stack is not None
+    lean.stack = counting = CountingLayers(lean.stack)
+    one_call, steps = sampled_logits(runner, config, mixed_requests(256))
+    assert counting.calls == steps  # every step: decodes, chunks and mixed ones
+    lean.stack = None
+    python_loop, _ = sampled_logits(runner, config, mixed_requests(256))
+    assert len(one_call) == len(python_loop) and all(torch.equal(a, b) for a, b in zip(one_call, python_loop))
+
+
+def test_the_layers_run_in_one_call_only_where_every_piece_runs_on_the_kernels(monkeypatch):
+    """A step whose chunks attend with SDPA, or a model on torch's layer ops, runs the Python loop."""
+    force_dispatch(monkeypatch, "linear=gemv,decode_attention=kernel,prefill_attention=sdpa")
+    config = SchedulerConfig(name="continuous", max_num_seqs=4, max_num_batched_tokens=16,
+                             long_prefill_token_threshold=6)
+    runner = ModelRunner(ModelConfig(name="tiny"), config)
+    lean = runner._lean
+    if lean.stack is None:
+        pytest.skip("no attention kernel or layer ops on this machine (as masked)")
+    lean.stack = counting = CountingLayers(lean.stack)
+    steps, phases, _ = drive(runner, config, mixed_requests(512), lambda *_: None)
+    assert {"decode", "mixed"} <= phases and 0 < counting.calls < steps  # decode-only steps alone
+    counting.calls = 0
+    lean.ops = engine_kernels.TORCH_LAYER_OPS
+    drive(runner, config, mixed_requests(512), lambda *_: None)
+    assert counting.calls == 0
+
+
+@pytest.mark.skipif(engine_kernels.decoder_layers() is None, reason="miniserve's kernels are not built here")
+@pytest.mark.parametrize("counts, message", [
+    ((5, 6, 4), "6 weights a layer"),
+    ((6, 5, 4), "6 optional tensors a layer"),
+    ((6, 6, 3), "4 scalars a layer"),
+])
+def test_decoder_layers_refuse_a_layout_they_cannot_read(counts, message):
+    weights, optionals, scalars = counts
+    with pytest.raises(RuntimeError, match=message):
+        engine_kernels.decoder_layers()([torch.ones(4)] * weights, [None] * optionals, [1.0] * scalars,
+                                        [1, 1, 4, 4], [8] * 8, [0] * 6)

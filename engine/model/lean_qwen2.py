@@ -8,7 +8,10 @@ operations in one flat loop, with q/k/v as one weight and gate/up as one weight 
 matrix products; the concatenation does not change any output column). Between the products a
 layer makes three calls (``engine.model.kernels.LayerOps``): residual add + RMSNorm, rotary + KV write,
 SiLU·up. Where this CPU runs miniserve's kernels they are fused C++ passes (layer_ops.cpp);
-elsewhere the stock modules' ops, op for op. Either way they round where stock rounds, so fp32
+elsewhere the stock modules' ops, op for op. Where a step's products all run on the gemv and all its
+tokens attend on the attention kernel, the whole loop is one C++ call (``DecoderLayers``,
+decoder_layers.cpp): the same kernels in the same order, so the same bits, without ~9 trips from
+Python a layer. Either way they round where stock rounds, so fp32
 logits match stock transformers (tests compare them at 1e-5) and bf16 rounds where stock rounds.
 
 Each projection runs the candidate ``engine.model.kernels.dispatch`` measured fastest on this
@@ -119,7 +122,37 @@ class LeanQwen2:
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
                 gu, mlp.gate_proj.out_features, down,
             ))
+        self._attention = kernels.decode_attention(model.dtype, self.head_dim)
+        self.stack = self._decoder_layers()
+        self._stack_ops = self.ops  # what the stack runs between its products: another set runs the loop
         model.forward = _weights_moved
+
+    def _decoder_layers(self):
+        """The layers as one C++ call (``kernels.decoder_layers``) where every piece of them runs on
+        miniserve's kernels here (gemv panels, fused layer ops, the attention kernel) and the layers
+        share their shapes; else None (the Python loop)."""
+        make = kernels.decoder_layers()
+        if (make is None or self.gemv is None or self._attention is None
+                or self.ops is kernels.TORCH_LAYER_OPS or not self.layers):
+            return None
+        d = self.head_dim
+        weights, optionals, scalars, shapes = [], [], [], set()
+        for i, scaling, nq, nkv, ln1, eps1, qkv, qk_norm, o, ln2, eps2, gu, inter, down in self.layers:
+            projections = (qkv, o, gu, down)
+            shapes.add((nq, nkv, inter) + tuple((p.n, p.panels.k, p.row_block, p.k_block) for p in projections))
+            weights += [ln1, qkv.panels.data, o.panels.data, ln2, gu.panels.data, down.panels.data]
+            q_norm, k_norm, qk_eps = qk_norm or (None, None, 0.0)
+            optionals += [qkv.bias, o.bias, gu.bias, down.bias, q_norm, k_norm]
+            scalars += [eps1, eps2, qk_eps, scaling if scaling is not None else d ** -0.5]
+        if len(shapes) != 1:
+            return None
+        # every layer's the same as the last one's (projections, nq, nkv, inter)
+        t = self.gemv_tuning
+        return make([w.detach() for w in weights], [None if w is None else w.detach() for w in optionals], scalars,
+                     [nq // d, nkv // d, d, inter],
+                     [p.row_block for p in projections] + [p.k_block for p in projections],
+                     [t.prefetch_one, t.prefetch, int(t.prefetch_l2), t.amx_rows, int(t.prefetch_one_l2),
+                      t.stream_rows])
 
     def _pack(self, specs: list, dtype: torch.dtype, keep: torch.Tensor | None) -> list[Projection]:
         """Each projection in the copies its kernels read, made one weight at a time (panels
@@ -206,6 +239,11 @@ class LeanQwen2:
         # attend differently goes through ragged_attention
         kernel = batch.kernel if batch.kernel_attends_all else None
         slots, positions, kernel_slots, lens = batch.write_slots, batch.write_positions, batch.kernel_slots, batch.kernel_lens
+        rows_choice = self._by_rows[t] if t < len(self._by_rows) else self.choices[-1]
+        if self.stack is not None and kernel is self._attention and rows_choice == "gemv" and ops is self._stack_ops:
+            # every layer in one C++ call: the same kernels in the same order as the loop below
+            delta = self.stack.run(h, cos, sin, cache.keys, cache.values, slots, positions, kernel_slots, lens)
+            return self._head(h, delta, rows)
         delta = None  # what the previous layer's MLP adds to h
         for i, scaling, nq, nkv, ln1, eps1, qkv, qk_norm, o, ln2, eps2, gu, inter, down in self.layers:
             k_store, v_store = cache.keys[i], cache.values[i]
@@ -219,7 +257,12 @@ class LeanQwen2:
                 attn, _ = ragged_attention(None, q.transpose(0, 1)[None], k_store, v_store, batch, scaling=scaling)
             x = ops.add_rms_norm(h, project(attn.reshape(t, -1), o), ln2, eps2)
             delta = project(ops.silu_mul(project(x, gu), inter), down)
-        # row-wise from here on: the sampled rows alone give the same logits
+        return self._head(h, delta, rows)
+
+    def _head(self, h: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The last residual add, the final norm and the lm_head, for the sampled rows: row-wise from
+        here on, so those rows alone give the same logits."""
         if rows is not None:
             h, delta = h[rows], delta[rows]
-        return project(ops.add_rms_norm(h, delta, self.norm_w, self.norm_eps), self.lm)
+        return (self._projector or self._project)(self.ops.add_rms_norm(h, delta, self.norm_w, self.norm_eps),
+                                                  self.lm)

@@ -12,6 +12,8 @@
   three fused calls; ``TORCH_LAYER_OPS`` is the same
   three in stock torch ops, what machines without the kernels run.
 - ``argmax_rows(dtype)`` (argmax.cpp): each row's greedy token, rows in parallel, bf16 read as is.
+- ``decoder_layers()`` (decoder_layers.cpp): every decoder layer of a step in one call through
+  the gemv, layer ops and attention above (no trip to Python per op).
 
 Each returns None where this CPU cannot run it, and the engine keeps oneDNN's linear, SDPA or
 torch's ops for those calls. Whether the engine runs a kernel that this CPU can run is measured
@@ -50,8 +52,9 @@ import torch.nn.functional as F
 from engine.model.kernels.features import cpu_features
 
 PANEL = 32  # output columns per panel (kPanel in gemv.cpp)
-SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "decode_attention.cpp", "layer_ops.cpp", "argmax.cpp")]
-HEADERS = [Path(__file__).with_name("simd.h")]
+SOURCES = [Path(__file__).with_name(n) for n in ("gemv.cpp", "decode_attention.cpp", "layer_ops.cpp", "argmax.cpp",
+                                                       "decoder_layers.cpp")]
+HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "ops.h")]
 NAME = "miniserve_kernels"
 log = logging.getLogger("miniserve.kernels")
 
@@ -332,6 +335,16 @@ def decode_attention(dtype: torch.dtype, head_dim: int):
         return None
     _agree("decode_attention", torch.ops.miniserve.decode_attention_supported(dtype, head_dim))
     return torch.ops.miniserve.decode_attention.default
+
+
+@functools.cache
+def decoder_layers():
+    """``torch.classes.miniserve.DecoderLayers`` (decoder_layers.cpp): a step's decoder layers in one
+    call through the kernels above, or None where they are not built. Its constructor and ``run``
+    are described there; engine/model/lean_qwen2.py builds one per model."""
+    if not _load():
+        return None
+    return torch.classes.miniserve.DecoderLayers
 
 
 @dataclass(frozen=True)

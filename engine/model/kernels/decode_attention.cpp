@@ -47,6 +47,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -513,6 +514,10 @@ bool decode_attention_supported(at::ScalarType dtype, int64_t head_dim) {
   return false;
 }
 
+}  // namespace
+
+namespace miniserve_ops {
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_store, const at::Tensor& v_store,
                             const at::Tensor& slots, const at::Tensor& lens, double scale) {
   const char* op = "miniserve::decode_attention: ";
@@ -556,11 +561,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_store, cons
   return out;
 }
 
-}  // namespace
+}  // namespace miniserve_ops
 
 TORCH_LIBRARY_FRAGMENT(miniserve, m) {
   m.def("decode_attention(Tensor q, Tensor k_store, Tensor v_store, Tensor slots, Tensor lens, float scale) -> Tensor");
   m.def("decode_attention_supported(ScalarType dtype, int head_dim) -> bool", &decode_attention_supported);
 }
 
-TORCH_LIBRARY_IMPL(miniserve, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(miniserve, CPU, m) { m.impl("decode_attention", &miniserve_ops::decode_attention); }

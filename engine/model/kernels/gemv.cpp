@@ -48,6 +48,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "ops.h"
 #include "simd.h"
 
 // The AMX intrinsics and target names need GCC 11 or clang 12; an older compiler builds the rest
@@ -544,6 +545,10 @@ bool gemv_amx_supported() {
   return false;
 }
 
+}  // namespace
+
+namespace miniserve_ops {
+
 // prefetch_one / prefetch: how far ahead (bytes) a one-row / a several-row product asks for the
 // weight stream (0: not at all), into L2 when prefetch_one_l2 / prefetch_l2 else L1; amx_rows: from
 // how many rows a bf16 product runs on AMX tiles (0: never; fp32 has no tile path); stream_rows: up
@@ -625,6 +630,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
   return y;
 }
 
+}  // namespace miniserve_ops
+
+namespace {
+
 // The features the engine allows every kernel (MINISERVE_CPU_FEATURES): a masked one is absent to
 // each *_supported check, as it is to the engine.
 void allow_cpu_features(bool avx2, bool avx512, bool avx512_bf16, bool amx_bf16) {
@@ -647,4 +656,4 @@ TORCH_LIBRARY(miniserve, m) {
   m.def("allow_cpu_features(bool avx2, bool avx512, bool avx512_bf16, bool amx_bf16=False) -> ()", &allow_cpu_features);
 }
 
-TORCH_LIBRARY_IMPL(miniserve, CPU, m) { m.impl("gemv", &gemv); }
+TORCH_LIBRARY_IMPL(miniserve, CPU, m) { m.impl("gemv", &miniserve_ops::gemv); }

@@ -31,6 +31,7 @@
 #include <initializer_list>
 #include <optional>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -298,6 +299,10 @@ int64_t grain(int64_t row_work) {  // rows per thread task: ~16k elements, at le
   return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_work));
 }
 
+}  // namespace
+
+namespace miniserve_ops {
+
 at::Tensor add_rms_norm(const at::Tensor& h, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
                         double eps) {
   const char* op = "miniserve::add_rms_norm: ";
@@ -414,7 +419,7 @@ at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   return q;
 }
 
-}  // namespace
+}  // namespace miniserve_ops
 
 TORCH_LIBRARY_FRAGMENT(miniserve, m) {
   m.def("add_rms_norm(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor");
@@ -426,7 +431,7 @@ TORCH_LIBRARY_FRAGMENT(miniserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(miniserve, CPU, m) {
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("silu_mul", &silu_mul);
-  m.impl("rotary_kv", &rotary_kv);
+  m.impl("add_rms_norm", &miniserve_ops::add_rms_norm);
+  m.impl("silu_mul", &miniserve_ops::silu_mul);
+  m.impl("rotary_kv", &miniserve_ops::rotary_kv);
 }
