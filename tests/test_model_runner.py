@@ -348,7 +348,7 @@ def test_the_layers_in_one_call_give_the_python_loops_logits_bit_for_bit(model, 
     lean = runner._lean
     if runner.attention_kernel is None or lean.ops is engine_kernels.TORCH_LAYER_OPS:
         pytest.skip("no attention kernel or layer ops on this machine (as masked)")
-    assert lean.stack is not None
+    assert lean.stack is not None and runner.kernels_used()["decoder_layers"]
     lean.stack = counting = CountingLayers(lean.stack)
     one_call, steps = sampled_logits(runner, config, mixed_requests(256))
     assert counting.calls == steps  # every step: decodes, chunks and mixed ones
