@@ -65,6 +65,9 @@ def chunk_rates(runner: ModelRunner, kernel, dtype: torch.dtype, repeats: int) -
 
 
 def model_calls(runner: ModelRunner, kernel, dtype_name: str, repeats: int) -> list[str]:
+    if runner._lean is not None:
+        runner._lean.stack = None  # the Python loop on both arms: the kernel's effect alone
+
     def switch(on: bool) -> None:
         runner.attention_kernel, runner.kernel_phases = (kernel, KERNEL_PHASES) if on else (None, frozenset())
 

@@ -60,6 +60,7 @@ def kernel_rates(runner: ModelRunner, gemv, dtype, rows_list, passes: int) -> No
 
 def model_calls(runner: ModelRunner, gemv, repeats: int) -> dict[str, float]:
     lean = runner._lean
+    lean.stack = None  # the Python loop on both arms: the gemv's effect alone (decoder_layers.py: the one call's)
 
     def switch(on: bool) -> None:
         lean._by_rows = [("gemv" if on else "onednn")] * len(lean._by_rows)
@@ -76,6 +77,7 @@ def model_calls(runner: ModelRunner, gemv, repeats: int) -> dict[str, float]:
 
 def page_calls(runner: ModelRunner, repeats: int) -> None:
     projections = runner._lean.projections
+    runner._lean.stack = None  # it holds the huge-page panels it was built with: the loop reads the swapped ones
     huge = [p.panels for p in projections]
     small = [kernels.Panels(p.data.clone(), p.n, p.k) for p in huge]  # torch's allocator: 4 KiB pages
 

@@ -21,6 +21,7 @@ SHAPES = [("decode B=1", [256], [1]), ("decode B=8", [256] * 8, [1] * 8), ("deco
 
 def model_calls(runner: ModelRunner, fused: kernels.LayerOps, dtype_name: str, repeats: int) -> list[str]:
     lean = runner._lean
+    lean.stack = None  # the Python loop on both arms: the fused ops' effect alone
 
     def switch(on: bool) -> None:
         lean.ops = fused if on else kernels.TORCH_LAYER_OPS

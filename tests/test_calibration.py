@@ -189,13 +189,18 @@ def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tmp_path):
     on = data["measured_on"]  # where it was measured, as a GPU profile would say it
     assert on["device"] == "cpu" and on["device_name"] == on["cpu"] and on["torch"] == torch.__version__
     assert on["cpu_features"] == sorted(cpu_features())
-    assert set(on["kernels"]) == {"gemv", "decode_attention", "prefill_attention", "layer_ops", "argmax"}
+    assert set(on["kernels"]) == {"gemv", "decode_attention", "prefill_attention", "layer_ops", "argmax",
+                                  "decoder_layers"}
     op = {"prefill_attention": "decode_attention"}  # one attention kernel, recorded per phase of a step
-    runs = {k: kernels.enabled() and kernels.can_run(op.get(k, k), torch.float32) for k in on["kernels"]}
+    runs = {k: kernels.enabled() and kernels.can_run(op.get(k, k), torch.float32) for k in on["kernels"]
+            if k != "decoder_layers"}
     # the fused ops run wherever they can; the gemv and the attention kernel where the dispatch
-    # table measured them faster (never where they cannot run)
+    # table measured them faster (never where they cannot run); the layers in one call only where
+    # the gemv, the layer ops and the attention kernel all run
     assert all(on["kernels"][k] == runs[k] for k in ("layer_ops", "argmax"))
     assert all(runs[k] or not on["kernels"][k] for k in ("gemv", "decode_attention", "prefill_attention"))
+    assert on["kernels"]["decoder_layers"] <= (on["kernels"]["gemv"] and on["kernels"]["layer_ops"]
+                                               and (on["kernels"]["decode_attention"] or on["kernels"]["prefill_attention"]))
     # the quick grid with prompts at the edges of this machine's gemv passes (both blocks' without a gemv)
     edges = tuple(data["grid"]["spec"]["edge_chunks"])
     assert set(edges) <= set(PASS_EDGES) and edges

@@ -318,11 +318,12 @@ class CountingLayers:
     """Stands in for the lean forward's DecoderLayers, counting the steps it runs."""
 
     def __init__(self, layers) -> None:
-        self.layers, self.calls = layers, 0
+        self.layers, self.calls, self.most_rows = layers, 0, 0
 
-    def run(self, *args):
+    def run(self, h, *args):
         self.calls += 1
-        return self.layers.run(*args)
+        self.most_rows = max(self.most_rows, h.shape[0])
+        return self.layers.run(h, *args)
 
 
 def sampled_logits(runner: ModelRunner, config: SchedulerConfig, requests: list[Request]) -> tuple[list, int]:
@@ -331,29 +332,45 @@ def sampled_logits(runner: ModelRunner, config: SchedulerConfig, requests: list[
     return rows, steps
 
 
+def long_chunk_requests(vocab: int) -> list[Request]:
+    g = torch.Generator().manual_seed(2)
+    return [Request(f"l{i}", torch.randint(0, vocab, (40 + 23 * i,), generator=g).tolist(), 3) for i in range(3)]
+
+
+STEPS = {  # small steps, and chunks long enough that the gemv takes rows in passes over blocks of K
+    "short": (SchedulerConfig(name="continuous", max_num_seqs=4, max_num_batched_tokens=16,
+                              long_prefill_token_threshold=6), mixed_requests),
+    "long": (SchedulerConfig(name="continuous", max_num_seqs=4, max_num_batched_tokens=96,
+                             long_prefill_token_threshold=64, max_model_len=256), long_chunk_requests),
+}
+
+
+@pytest.mark.parametrize("steps", ["short", "long"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("model", ["qwen2", "qwen3"])
-def test_the_layers_in_one_call_give_the_python_loops_logits_bit_for_bit(model, dtype, tmp_path, monkeypatch):
+def test_the_layers_in_one_call_give_the_python_loops_logits_bit_for_bit(model, dtype, steps, tmp_path, monkeypatch):
     """Where every product runs on the gemv and every token attends on the kernel, a step's layers run
     as one C++ call (kernels.decoder_layers): the same kernels in the same order as the Python loop,
-    so the same bits, on every step, Qwen3's q/k norms included."""
+    so the same bits, on every step, Qwen3's q/k norms included, at row counts past the gemv's one
+    sweep (its row and k blocks) too."""
     force_dispatch(monkeypatch, "linear=gemv,attention=kernel")
     if "gemv" not in dispatch.linear_candidates(getattr(torch, dtype)):
         pytest.skip(f"no {dtype} gemv on this machine (as masked)")
     model_config = tiny_qwen3(tmp_path) if model == "qwen3" else ModelConfig(name="tiny")
     model_config = dataclasses.replace(model_config, dtype=dtype)
-    config = SchedulerConfig(name="continuous", max_num_seqs=4, max_num_batched_tokens=16,
-                             long_prefill_token_threshold=6)
+    config, requests = STEPS[steps]
     runner = ModelRunner(model_config, config)
     lean = runner._lean
     if runner.attention_kernel is None or lean.ops is engine_kernels.TORCH_LAYER_OPS:
         pytest.skip("no attention kernel or layer ops on this machine (as masked)")
     assert lean.stack is not None and runner.kernels_used()["decoder_layers"]
     lean.stack = counting = CountingLayers(lean.stack)
-    one_call, steps = sampled_logits(runner, config, mixed_requests(256))
-    assert counting.calls == steps  # every step: decodes, chunks and mixed ones
+    one_call, num_steps = sampled_logits(runner, config, requests(256))
+    assert counting.calls == num_steps  # every step: decodes, chunks and mixed ones
+    if steps == "long":  # steps past the gemv's one sweep of the weights
+        assert counting.most_rows > lean.gemv_tuning.stream_rows
     lean.stack = None
-    python_loop, _ = sampled_logits(runner, config, mixed_requests(256))
+    python_loop, _ = sampled_logits(runner, config, requests(256))
     assert len(one_call) == len(python_loop) and all(torch.equal(a, b) for a, b in zip(one_call, python_loop))
 
 
@@ -373,6 +390,11 @@ def test_the_layers_run_in_one_call_only_where_every_piece_runs_on_the_kernels(m
     lean.ops = engine_kernels.TORCH_LAYER_OPS
     drive(runner, config, mixed_requests(512), lambda *_: None)
     assert counting.calls == 0
+    # where no step can attend on the kernel (the masked backend, SDPA for both phases) none is kept
+    for attention, force in (("masked", "linear=gemv"), ("ragged", "linear=gemv,attention=sdpa")):
+        monkeypatch.setenv(dispatch.FORCE_ENV, force)
+        other = ModelRunner(ModelConfig(name="tiny", attention=attention), config)
+        assert other._lean.stack is None and not other.kernels_used()["decoder_layers"]
 
 
 @pytest.mark.skipif(engine_kernels.decoder_layers() is None, reason="miniserve's kernels are not built here")

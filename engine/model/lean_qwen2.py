@@ -9,9 +9,9 @@ matrix products; the concatenation does not change any output column). Between t
 layer makes three calls (``engine.model.kernels.LayerOps``): residual add + RMSNorm, rotary + KV write,
 SiLU·up. Where this CPU runs miniserve's kernels they are fused C++ passes (layer_ops.cpp);
 elsewhere the stock modules' ops, op for op. Where a step's products all run on the gemv and all its
-tokens attend on the attention kernel, the whole loop is one C++ call (``DecoderLayers``,
-decoder_layers.cpp): the same kernels in the same order, so the same bits, without ~9 trips from
-Python a layer. Either way they round where stock rounds, so fp32
+tokens attend on the attention kernel (and the layers run the fused layer ops and share one shape),
+the whole loop is one C++ call (``DecoderLayers``, decoder_layers.cpp): the same kernels in the same
+order, so the same bits, without ~9 trips from Python a layer. Either way they round where stock rounds, so fp32
 logits match stock transformers (tests compare them at 1e-5) and bf16 rounds where stock rounds.
 
 Each projection runs the candidate ``engine.model.kernels.dispatch`` measured fastest on this
@@ -139,6 +139,10 @@ class LeanQwen2:
         weights, optionals, scalars, shapes = [], [], [], set()
         for i, scaling, nq, nkv, ln1, eps1, qkv, qk_norm, o, ln2, eps2, gu, inter, down in self.layers:
             projections = (qkv, o, gu, down)
+            hidden = ln1.shape[0]  # each product's (N, K) as decoder_layers.cpp derives them from the dims
+            derived = ((nq + 2 * nkv, hidden), (hidden, nq), (2 * inter, hidden), (hidden, inter))
+            if any((p.n, p.panels.k) != nk for p, nk in zip(projections, derived)):
+                return None
             shapes.add((nq, nkv, inter) + tuple((p.n, p.panels.k, p.row_block, p.k_block) for p in projections))
             weights += [ln1, qkv.panels.data, o.panels.data, ln2, gu.panels.data, down.panels.data]
             q_norm, k_norm, qk_eps = qk_norm or (None, None, 0.0)

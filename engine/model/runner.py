@@ -93,6 +93,10 @@ class ModelRunner:
         # generic path never asks for (or builds) a kernel
         self.attention_kernel, self.kernel_phases = ((None, frozenset()) if self.generic
                                                      else dispatch.attention_kernel(self.model.dtype, head_dim))
+        if self._lean is not None and (self.attention_kernel is None or self.model_config.attention != "ragged"):
+            # no step attends on the kernel (SDPA for both phases, or the masked backend): the layers
+            # never run in one call, so the lean forward keeps none (and kernels_used says so)
+            self._lean.stack = None
         self.greedy = (None if self.generic else kernels.argmax_rows(self.model.dtype)) or _torch_greedy
         # the stock forward takes the KV slots as `cache` (later transformers 5.x) or `past_key_values`
         # (5.17 and earlier): under the other name it would attend over this step's keys alone

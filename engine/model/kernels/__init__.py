@@ -15,8 +15,9 @@
 - ``decoder_layers()`` (decoder_layers.cpp): every decoder layer of a step in one call through
   the gemv, layer ops and attention above (no trip to Python per op).
 
-Each returns None where this CPU cannot run it, and the engine keeps oneDNN's linear, SDPA or
-torch's ops for those calls. Whether the engine runs a kernel that this CPU can run is measured
+Each returns None where this CPU cannot run it (``decoder_layers``: where the kernels are not
+built; the lean forward builds one only where it runs the others), and the engine keeps oneDNN's
+linear, SDPA or torch's ops for those calls. Whether the engine runs a kernel that this CPU can run is measured
 per machine (``dispatch.py``). ``MINISERVE_KERNELS=0`` in the environment turns them all off.
 What each needs is ``NEEDS`` (``can_run`` asks it), against ``features.cpu_features()``: this CPU's
 features less any ``MINISERVE_CPU_FEATURES`` mask. The C++ ops' own ``*_supported`` checks are told

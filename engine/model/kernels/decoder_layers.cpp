@@ -3,11 +3,12 @@
 // same order on the same tensors, so the logits are the same bits.
 //
 // Why: a layer is nine kernel calls, and from Python each costs its argument parsing and dispatch
-// (~7 us a call); at 24 layers that is ~1.7 ms of a decode step during which no core reads weights
+// (~7 us a call); at 24 layers that is ~1.5 ms of a decode step during which no core reads weights
 // or multiplies. Where a step's products all run on the gemv and its attention on the kernel (what
 // dispatch.py chose for that row count on this machine), engine/model/lean_qwen2.py hands the whole
-// loop to this class instead. The weights are bound once, when the model is built; a step passes
-// its activations, rotary tables, KV stores and slots.
+// loop to this class instead (where the layer ops are the fused ones and every layer has one shape).
+// The weights are bound once, when the model is built; a step passes its activations, rotary tables,
+// KV stores and slots.
 //
 // Each kernel call is a profiler region of the op's own name (miniserve::gemv, ...), as it is when
 // Python calls the op, so a profile of a step still says where its time goes.
