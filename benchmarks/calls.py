@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.core.config import ModelConfig, SchedulerConfig
 from engine.model.runner import ModelRunner
 from engine.core.plan import BatchPlan
 from engine.core.request import Request
@@ -99,3 +100,14 @@ def kernel_bench_args(description: str | None = None) -> argparse.Namespace:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     return args
+
+
+# whole model calls the kernel A/B benchmarks time: decodes at context 256 and a prefill chunk
+MODEL_CALL_SHAPES = [("decode B=1", [256], [1]), ("decode B=8", [256] * 8, [1] * 8),
+                     ("decode B=32", [256] * 32, [1] * 32), ("prefill 128", [0], [128])]
+
+
+def bench_runner(args: argparse.Namespace, dtype: str, max_model_len: int = 512) -> ModelRunner:
+    """The benchmark's model (``kernel_bench_args``) in ``dtype``, with KV slots for 32 requests."""
+    return ModelRunner(ModelConfig(name=args.model, dtype=dtype, num_threads=args.threads),
+                       SchedulerConfig(max_num_seqs=32, max_model_len=max_model_len))

@@ -17,11 +17,10 @@ import functools
 import statistics
 
 import torch
-from calls import alternate, kernel_bench_args, time_alternating
+from calls import alternate, bench_runner, kernel_bench_args, time_alternating
 
 from engine.model import kernels
 from engine.model.attention import KERNEL_PHASES, RaggedBatch, ragged_attention
-from engine.core.config import ModelConfig, SchedulerConfig
 from engine.model.runner import ModelRunner
 
 LAYER_SHAPES = [(1, 256), (8, 256), (32, 256), (8, 1024), (32, 1024), (1, 4096)]  # (requests, context)
@@ -84,8 +83,7 @@ def main() -> None:
     args = kernel_bench_args(__doc__)
     last = []
     for d in args.dtypes.split(","):
-        runner = ModelRunner(ModelConfig(name=args.model, dtype=d, num_threads=args.threads),
-                             SchedulerConfig(max_num_seqs=32, max_model_len=4160))
+        runner = bench_runner(args, d, max_model_len=4160)
         kernel = kernels.decode_attention(getattr(torch, d), runner.cache.keys[0].shape[-1])
         print(f"{d}: the dispatch table has the kernel attend {sorted(runner.kernel_phases) or 'no phase'} "
               "of a step here, SDPA the rest")

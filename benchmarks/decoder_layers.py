@@ -9,21 +9,14 @@ context 256 and a 128-token prefill. The logits must be the same bits (max |Δlo
 from __future__ import annotations
 
 import torch
-from calls import alternate, kernel_bench_args
-
-from engine.core.config import ModelConfig, SchedulerConfig
-from engine.model.runner import ModelRunner
-
-SHAPES = [("decode B=1", [256], [1]), ("decode B=8", [256] * 8, [1] * 8), ("decode B=32", [256] * 32, [1] * 32),
-          ("prefill 128", [0], [128])]
+from calls import MODEL_CALL_SHAPES, alternate, bench_runner, kernel_bench_args
 
 
 def main() -> None:
     args = kernel_bench_args(__doc__)
     last = []
     for d in args.dtypes.split(","):
-        runner = ModelRunner(ModelConfig(name=args.model, dtype=d, num_threads=args.threads),
-                             SchedulerConfig(max_num_seqs=32, max_model_len=512))
+        runner = bench_runner(args, d)
         lean = runner._lean
         stack = None if lean is None else lean.stack
         if stack is None:
@@ -35,7 +28,7 @@ def main() -> None:
             lean.stack = stack if on else None
 
         print(f"{d}: model calls, Python loop / one call alternating (threads={torch.get_num_threads()})")
-        for name, contexts, chunks in SHAPES:
+        for name, contexts, chunks in MODEL_CALL_SHAPES:
             ab = alternate(runner, contexts, chunks, switch, args.repeats)
             print(ab.line(name, "loop", "one call"), flush=True)
             last.append(f"decoder_layers_speedup_{name.replace(' ', '_').replace('=', '')}_{d}={ab.speedup:.3f}")

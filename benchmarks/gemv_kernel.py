@@ -17,11 +17,10 @@ from __future__ import annotations
 import statistics
 
 import torch
-from calls import alternate, kernel_bench_args, time_alternating
+from calls import alternate, bench_runner, kernel_bench_args, time_alternating
 
 from engine.model import kernels
 from engine.model.kernels import dispatch
-from engine.core.config import ModelConfig, SchedulerConfig
 from engine.model.runner import ModelRunner
 
 
@@ -101,8 +100,7 @@ def main() -> None:
                   " and a C++ compiler); the engine runs oneDNN")
             continue
         dispatch.linear_choices = both_copies  # this benchmark's own A/B, not the measured table
-        runner = ModelRunner(ModelConfig(name=args.model, dtype=d, num_threads=args.threads),
-                             SchedulerConfig(max_num_seqs=32, max_model_len=512))
+        runner = bench_runner(args, d)
         print(f"{d}: the model's projections, one pass over all weights (threads={torch.get_num_threads()})")
         kernel_rates(runner, gemv, dtype, (1, 2, 4, 8, 16, 32, 64, 96), args.repeats)
         print(f"{d}: model calls, kernel off/on alternating")

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 
 import torch
-from calls import alternate, kernel_bench_args
+from calls import MODEL_CALL_SHAPES, alternate, bench_runner, kernel_bench_args
 
 from engine.model import kernels
-from engine.core.config import ModelConfig, SchedulerConfig
 from engine.model.runner import ModelRunner
 
-SHAPES = [("decode B=1", [256], [1]), ("decode B=8", [256] * 8, [1] * 8), ("decode B=32", [256] * 32, [1] * 32),
-          ("prefill 128", [0], [128])]
 
 
 def model_calls(runner: ModelRunner, fused: kernels.LayerOps, dtype_name: str, repeats: int) -> list[str]:
@@ -27,7 +24,7 @@ def model_calls(runner: ModelRunner, fused: kernels.LayerOps, dtype_name: str, r
         lean.ops = fused if on else kernels.TORCH_LAYER_OPS
 
     last = []
-    for name, contexts, chunks in SHAPES:
+    for name, contexts, chunks in MODEL_CALL_SHAPES:
         ab = alternate(runner, contexts, chunks, switch, repeats)
         print(ab.line(name, "torch ops", "fused"), flush=True)
         if name in ("decode B=1", "decode B=32"):
@@ -43,8 +40,7 @@ def main() -> None:
         if fused is None:
             print(f"{d}: no fused layer ops on this machine (needs AVX-512 and a C++ compiler); the engine runs torch's")
             continue
-        runner = ModelRunner(ModelConfig(name=args.model, dtype=d, num_threads=args.threads),
-                             SchedulerConfig(max_num_seqs=32, max_model_len=512))
+        runner = bench_runner(args, d)
         print(f"{d}: model calls, torch ops / fused ops alternating (threads={torch.get_num_threads()})")
         last += model_calls(runner, fused, d, args.repeats)
         del runner
