@@ -8,11 +8,12 @@ operations in one flat loop, with q/k/v as one weight and gate/up as one weight 
 matrix products; the concatenation does not change any output column). Between the products a
 layer makes three calls (``engine.model.kernels.LayerOps``): residual add + RMSNorm, rotary + KV write,
 SiLU·up. Where this CPU runs miniserve's kernels they are fused C++ passes (layer_ops.cpp);
-elsewhere the stock modules' ops, op for op. Where a step's products all run on the gemv and all its
-tokens attend on the attention kernel (and the layers run the fused layer ops and share one shape),
-the whole loop is one C++ call (``DecoderLayers``, decoder_layers.cpp): the same kernels in the same
-order, so the same bits, without ~9 trips from Python a layer. Either way they round where stock rounds, so fp32
+elsewhere the stock modules' ops, op for op. Either way they round where stock rounds, so fp32
 logits match stock transformers (tests compare them at 1e-5) and bf16 rounds where stock rounds.
+Where a step's products all run on the gemv and all its tokens attend on the attention kernel (and
+the layers run the fused layer ops and share one shape), the whole loop is one C++ call
+(``DecoderLayers``, decoder_layers.cpp): the same kernels in the same order, so the same bits,
+without ~9 trips from Python a layer.
 
 Each projection runs the candidate ``engine.model.kernels.dispatch`` measured fastest on this
 machine for its row count: miniserve's gemv over a panel-packed copy of the weight, oneDNN's
