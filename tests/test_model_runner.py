@@ -408,3 +408,33 @@ def test_decoder_layers_refuse_a_layout_they_cannot_read(counts, message):
     with pytest.raises(RuntimeError, match=message):
         engine_kernels.decoder_layers()([torch.ones(4)] * weights, [None] * optionals, [1.0] * scalars,
                                         [1, 1, 4, 4], [8] * 8, [0] * 6)
+
+
+def test_the_layers_in_one_call_are_profiled_as_the_loops_kernel_calls(monkeypatch):
+    """Each kernel the one call makes is a profiler region of its op's name, with its inputs' shapes,
+    as when the Python loop calls the ops: a profile of a step still says where its time goes."""
+    force_dispatch(monkeypatch, "linear=gemv,attention=kernel")
+    runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=4, max_model_len=64))
+    lean = runner._lean
+    if lean.stack is None:
+        pytest.skip("no one-call layers on this machine (as masked)")
+    reqs = {f"r{i}": Request(f"r{i}", list(range(1, 20)), 4) for i in range(2)}
+    plan = BatchPlan("continuous", tuple(reqs), (8, 1), (0, 0), (True, True), 0)
+
+    def kernel_events(stack) -> dict[str, list]:
+        lean.stack = stack
+        with torch.profiler.profile(record_shapes=True) as prof:
+            runner.execute(plan, reqs)
+        runner.free(reqs)
+        events = {}
+        for e in prof.events():
+            if e.name.startswith("miniserve::") and not e.name.endswith("argmax_rows"):
+                events.setdefault(e.name, []).append([list(s) for s in e.input_shapes if s][:2])
+        return events
+
+    one_call, loop = kernel_events(lean.stack), kernel_events(None)
+    layers = runner.model.config.num_hidden_layers
+    assert {name: len(calls) for name, calls in one_call.items()} == {
+        "miniserve::gemv": 4 * layers + 1, "miniserve::add_rms_norm": 2 * layers + 1,
+        "miniserve::rotary_kv": layers, "miniserve::decode_attention": layers, "miniserve::silu_mul": layers}
+    assert one_call == loop  # the same regions with the same input shapes

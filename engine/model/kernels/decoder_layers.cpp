@@ -11,7 +11,8 @@
 // KV stores and slots.
 //
 // Each kernel call is a profiler region of the op's own name (miniserve::gemv, ...), as it is when
-// Python calls the op, so a profile of a step still says where its time goes.
+// Python calls the op, so a profile of a step still says where its time goes (with its main inputs'
+// shapes under record_shapes; the inputs are only gathered while a profiler records).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/record_function.h>
@@ -88,20 +89,20 @@ struct DecoderLayers : torch::CustomClassHolder {
       at::Tensor qkv = project(x, w[kQkv], opt[kQkvBias], kPQkv);
       at::Tensor q;
       {
-        RECORD_FUNCTION("miniserve::rotary_kv", std::vector<c10::IValue>());
+        RECORD_FUNCTION("miniserve::rotary_kv", std::vector<c10::IValue>({qkv, cos, sin}));
         q = miniserve_ops::rotary_kv(qkv, cos, sin, heads_, kv_heads_, k_stores[i], v_stores[i], write_slots,
                                      write_positions, opt[kQNorm], opt[kKNorm], s[kQkEps]);
       }
       at::Tensor attn;
       {
-        RECORD_FUNCTION("miniserve::decode_attention", std::vector<c10::IValue>());
+        RECORD_FUNCTION("miniserve::decode_attention", std::vector<c10::IValue>({q, k_stores[i], v_stores[i]}));
         attn = miniserve_ops::decode_attention(q, k_stores[i], v_stores[i], kernel_slots, kernel_lens, s[kScale]);
       }
       x = norm(h, project(attn.view({tokens, heads_ * head_dim_}), w[kO], opt[kOBias], kPO), w[kLn2], s[kEps2]);
       at::Tensor act;
       {
         at::Tensor gu = project(x, w[kGateUp], opt[kGateUpBias], kPGateUp);
-        RECORD_FUNCTION("miniserve::silu_mul", std::vector<c10::IValue>());
+        RECORD_FUNCTION("miniserve::silu_mul", std::vector<c10::IValue>({gu}));
         act = miniserve_ops::silu_mul(gu, inter_);
       }
       delta = project(act, w[kDown], opt[kDownBias], kPDown);
@@ -114,13 +115,13 @@ struct DecoderLayers : torch::CustomClassHolder {
  private:
   at::Tensor norm(const at::Tensor& h, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
                   double eps) const {
-    RECORD_FUNCTION("miniserve::add_rms_norm", std::vector<c10::IValue>());
+    RECORD_FUNCTION("miniserve::add_rms_norm", std::vector<c10::IValue>({h, delta, weight}));
     return miniserve_ops::add_rms_norm(h, delta, weight, eps);
   }
 
   at::Tensor project(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                      Projection p) const {
-    RECORD_FUNCTION("miniserve::gemv", std::vector<c10::IValue>());
+    RECORD_FUNCTION("miniserve::gemv", std::vector<c10::IValue>({x, panels}));
     const auto& t = tuning_;
     return miniserve_ops::gemv(x, panels, bias, n_k_[p][0], n_k_[p][1], blocks_[p], blocks_[kProjections + p], t[0],
                                t[1], t[2] != 0, t[3], t[4] != 0, t[5]);
