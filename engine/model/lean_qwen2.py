@@ -76,7 +76,9 @@ class LeanQwen2:
     (rows, vocab) computed as Qwen2ForCausalLM (or Qwen3ForCausalLM) would with
     ``logits_to_keep=rows``; rows None: every row (a decodes-only step, no gather)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, attention=None) -> None:
+        """``attention``: the attention kernel the runner's steps attend on (where one does), which
+        the layers in one call run; None: the Python loop always."""
         inner = model.model
         cfg = model.config
         self.model = model
@@ -123,7 +125,7 @@ class LeanQwen2:
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
                 gu, mlp.gate_proj.out_features, down,
             ))
-        self._attention = kernels.decode_attention(model.dtype, self.head_dim)
+        self._attention = attention
         self.stack = self._decoder_layers()
         self._stack_ops = self.ops  # what the stack runs between its products: another set runs the loop
         model.forward = _weights_moved

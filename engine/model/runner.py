@@ -71,32 +71,30 @@ class ModelRunner:
         self.model, self.tokenizer = load_model(model_config)
         refuse_sliding_window(self.model.config)
         self.generic = generic or self.device.type != "cpu"
-        self._lean = None
-        if not self.generic:
-            # the same arithmetic with less Python per layer, each product on the kernel measured
-            # fastest here (engine/model/lean_qwen2.py, kernels/dispatch.py); stock layers elsewhere,
-            # their linears on oneDNN's pre-packed weights (faster at decode sizes; docs)
-            if LeanQwen2.supports(self.model):
-                self._lean = LeanQwen2(self.model)
-            else:
-                pack_linear_weights(self.model)
         cfg = self.model.config
-        self.vocab_size: int = cfg.vocab_size
-        self.eos_token_id: int | None = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else None
-        self.max_model_len = min(scheduler_config.max_model_len, cfg.max_position_embeddings)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.cache = SlotKVCache(cfg.num_hidden_layers, scheduler_config.max_num_seqs, cfg.num_key_value_heads,
-                                 self.max_model_len, head_dim, self.model.dtype,
-                                 device=self.device if self.generic else None)
         # each phase of a step (decodes, prefill chunks) attends with miniserve's kernel where this CPU
         # runs it and it was measured faster for that phase (engine/model/kernels), else with SDPA; the
         # generic path never asks for (or builds) a kernel
         self.attention_kernel, self.kernel_phases = ((None, frozenset()) if self.generic
                                                      else dispatch.attention_kernel(self.model.dtype, head_dim))
-        if self._lean is not None and (self.attention_kernel is None or self.model_config.attention != "ragged"):
-            # no step attends on the kernel (SDPA for both phases, or the masked backend): the layers
-            # never run in one call, so the lean forward keeps none (and kernels_used says so)
-            self._lean.stack = None
+        self._lean = None
+        if not self.generic:
+            # the same arithmetic with less Python per layer, each product on the kernel measured
+            # fastest here (engine/model/lean_qwen2.py, kernels/dispatch.py); stock layers elsewhere,
+            # their linears on oneDNN's pre-packed weights (faster at decode sizes; docs). Only the
+            # ragged backend's steps attend on the kernel (what the layers in one call run)
+            if LeanQwen2.supports(self.model):
+                ragged = model_config.attention == "ragged"
+                self._lean = LeanQwen2(self.model, self.attention_kernel if ragged else None)
+            else:
+                pack_linear_weights(self.model)
+        self.vocab_size: int = cfg.vocab_size
+        self.eos_token_id: int | None = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else None
+        self.max_model_len = min(scheduler_config.max_model_len, cfg.max_position_embeddings)
+        self.cache = SlotKVCache(cfg.num_hidden_layers, scheduler_config.max_num_seqs, cfg.num_key_value_heads,
+                                 self.max_model_len, head_dim, self.model.dtype,
+                                 device=self.device if self.generic else None)
         self.greedy = (None if self.generic else kernels.argmax_rows(self.model.dtype)) or _torch_greedy
         # the stock forward takes the KV slots as `cache` (later transformers 5.x) or `past_key_values`
         # (5.17 and earlier): under the other name it would attend over this step's keys alone
