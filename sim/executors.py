@@ -148,13 +148,20 @@ class NoisyExecutor(CostModelExecutor):
     each call is scaled by the physical model's time at that bandwidth over its time at the
     calibration's (calibration.physical.at_run_bandwidth, so only the memory-bound terms move);
     otherwise one calibration round's factor, as older profiles always had. Each step is drawn, so
-    the simulator never runs repeated steps at once (``decode_costs`` is None)."""
+    the simulator never runs repeated steps at once (``decode_costs`` is None).
+
+    Under a bandwidth draw the residuals are centred (each draw less log mean e^residual, so a
+    call's factor averages 1): the bandwidth a run's calls saw (calibration.noise.calls_gb_s) is
+    the one at which the model's calls add up to the run's measured total, so it already holds
+    the calls' mean residual, and drawing residuals with their mean on top priced every call
+    twice for it (e^mean = 1.05 on a Zen 4 profile: the replicates' band sat that much slow and
+    held 73% of a validation's real runs; centred, 93%, docs/architecture.md). The round factor
+    is a median over shapes, not a total: there the residuals keep their mean."""
 
     def __init__(self, cost_model: AnyCostModel, seed: int, run_noise: RunNoise | None = None) -> None:
         super().__init__(cost_model)
         noise = cost_model.info.get("noise") or {}
         self._calls = noise.get("call_log") or [0.0]
-        self._mean = statistics.fmean(self._calls)
         lag1 = float(noise.get("call_lag1") or 0.0)
         self._lag1 = min(max(lag1, 0.0), MAX_CALL_LAG1) if math.isfinite(lag1) else 0.0
         self._residual: float | None = None  # the last call's
@@ -169,6 +176,8 @@ class NoisyExecutor(CostModelExecutor):
             self.run_factor = 1.0
             self.memory_gb_s = self._rng.choice(self.run_noise.memory_gb_s)
             self._base, self._at_run = physical, at_run_bandwidth(physical, self.memory_gb_s)
+            self._calls = centred(self._calls)
+        self._mean = statistics.fmean(self._calls)
 
     def call_s(self, plan: BatchPlan) -> float:
         call = super().call_s(plan) * self.run_factor
@@ -187,6 +196,12 @@ class NoisyExecutor(CostModelExecutor):
 
     def decode_costs(self, num_decodes: int) -> None:
         return None
+
+
+def centred(residuals: Sequence[float]) -> list[float]:
+    """Log residuals shifted so that their factors average 1 (mean e^r = 1): spread without a bias."""
+    shift = math.log(statistics.fmean(math.exp(r) for r in residuals))
+    return [r - shift for r in residuals]
 
 
 def physical_model(cost_model: AnyCostModel) -> PhysicalCostModel | None:

@@ -42,6 +42,25 @@ def test_a_replicate_draws_its_bandwidth_from_the_history_and_prices_calls_at_it
     assert drawn == {20.0, 40.0, 80.0}  # every stamp can be drawn, nothing else
 
 
+def test_under_a_bandwidth_draw_the_call_residuals_add_spread_but_no_mean():
+    """The bandwidth a run's calls saw already holds their mean residual (its calls add up to the
+    run's total there), so the residuals drawn on top are centred: at the calibration's own
+    bandwidth the calls average the prediction. The round factor, a median over shapes, keeps them
+    as measured."""
+    skewed = [-0.1, -0.05, 0.0, 0.0, 0.02, 0.1, 0.4]  # right-skewed, as a busy host's calls are
+    cost = quiet(physical_model(machine=Machine(40.0, 400.0)), call_log=skewed, round_log=[0.0])
+    predicted = cost.predict(DECODE)
+
+    def mean_call(run_noise):
+        calls = [ex.call_s(DECODE) for ex in (NoisyExecutor(cost, s, run_noise) for s in range(40)) for _ in range(100)]
+        return sum(calls) / len(calls)
+
+    assert mean_call(RunNoise((40.0,))) == pytest.approx(predicted, rel=0.01)
+    measured_mean = sum(math.exp(r) for r in skewed) / len(skewed)
+    assert measured_mean > 1.04
+    assert mean_call(RunNoise()) == pytest.approx(predicted * measured_mean, rel=0.01)
+
+
 def test_an_empirical_model_moves_by_its_profiles_physical_model_so_compute_bound_calls_stay():
     phys = physical_model(machine=Machine(40.0, 400.0))
     cost = cost_model_from(const=0.01, decode_tokens=0.004, prefill_tokens=0.0005)
