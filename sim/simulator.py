@@ -74,6 +74,12 @@ class CallLog:
     def __len__(self) -> int:
         return len(self.label)
 
+    def every_call(self) -> Iterator[tuple[str, float, float]]:
+        """(label, start_s, dur_s) of every call, replicas interleaved in the order they ended."""
+        names = self.names
+        for i, start, dur in zip(self.label, self.start_s, self.dur_s):
+            yield names[i], start, dur
+
     def of_replica(self, replica: int) -> Iterator[tuple[str, float, float]]:
         """(label, start_s, dur_s) of one replica's calls, in order (write_chrome_trace's input)."""
         names = self.names
@@ -104,7 +110,13 @@ class SimResult:
         return self.log.summarize(self.duration_s, slo_ttft_s, slo_tpot_s)
 
     def trace_calls(self) -> list[tuple[str, float, float]]:
-        """(label, start_s, dur_s) per model call, for engine.observe.trace.write_chrome_trace."""
+        """(label, start_s, dur_s) per model call, for engine.observe.trace.write_chrome_trace, from
+        the call log or the steps, whichever was kept; a run that kept neither has none to give."""
+        if self.calls is not None:
+            return list(self.calls.every_call())
+        if self.num_steps and not self.steps:
+            raise ValueError("this simulation kept neither its steps nor its calls: run it with "
+                             "keep_steps=True or keep_calls=True for its trace")
         return [s.trace_call for s in self.steps]
 
     def replica_calls(self, replica: int) -> Iterator[tuple[str, float, float]]:

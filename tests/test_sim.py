@@ -601,4 +601,8 @@ def test_the_call_log_holds_what_the_step_records_give_a_trace(replicas):
     assert len(calls.calls) == steps.num_steps == len(steps.steps) > 0 and len(calls.calls.names) < len(calls.calls)
     for i in range(replicas):
         assert list(calls.replica_calls(i)) == list(steps.replica_calls(i))
+    assert calls.trace_calls() == steps.trace_calls()  # every replica's, in the order they ended
     assert steps.metrics() == calls.metrics()
+    neither = simulate(workload_requests(workload)[0], config, lambda: CostModelExecutor(COST))
+    with pytest.raises(ValueError, match="kept neither its steps nor its calls"):
+        neither.trace_calls()
