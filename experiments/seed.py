@@ -18,7 +18,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from calibration.cost_model import weights_read_gb_s
+from calibration.cost_model import other_kernels_warning, weights_read_gb_s
 from calibration.roofline import MemoryStamp
 from engine.core.config import SCHEDULER_NAMES, ModelConfig, SchedulerConfig
 from engine.observe.trace import summarize_trace, write_chrome_trace
@@ -95,7 +95,8 @@ def run_scheduler(model: ModelConfig, scheduler: SchedulerConfig, workload: Work
     write_requests_csv(result.records, out_dir / "requests.csv")
     write_metrics_json(metrics, out_dir / "metrics.json")
     return seed_row(metrics, trace_path, scheduler.max_num_seqs, out_dir.parent) | {
-        "memory_read_gb_s": memory.gb_s, "weights_read_gb_s": memory.weights_gb_s}
+        "memory_read_gb_s": memory.gb_s, "weights_read_gb_s": memory.weights_gb_s,
+        "kernels": engine.runner.kernels_used()}
 
 
 def _export_model_regions(prof, path: Path) -> None:
@@ -124,7 +125,8 @@ def simulate_scheduler(profile: str, model: ModelConfig, scheduler: SchedulerCon
     cost = load_cost_model(profile, model)
     metrics = write_outputs(run_workload(cost, scheduler, workload, SimOptions()), out_dir, scheduler.max_num_seqs)
     return seed_row(metrics, out_dir / "trace.json", scheduler.max_num_seqs, out_dir.parent.parent) | {
-        "memory_read_gb_s": cost.memory_read_gb_s, "weights_read_gb_s": weights_read_gb_s(cost.info)}  # the calibration's
+        "memory_read_gb_s": cost.memory_read_gb_s, "weights_read_gb_s": weights_read_gb_s(cost.info),  # the calibration's
+        "kernels": cost.info.get("measured_on", {}).get("kernels")}
 
 
 def run_seed_experiment(app: SeedApp, out_dir: Path) -> tuple[dict, dict | None]:
@@ -160,6 +162,10 @@ def main(cfg) -> None:
         print(format_seed_table(sim, app.scheduler.max_num_seqs))
         print("\nreal vs simulated:")
         print(format_side_by_side(real, sim))
+        for name in real:
+            warning = other_kernels_warning({"kernels": sim[name].get("kernels")}, real[name].get("kernels") or {})
+            if warning:
+                print(f"warning ({name}): {warning}")
     summary = build_report(ReportApp(seed_dir=str(out_dir)), out_dir / "report")
     print(f"\nwrote {out_dir / 'seed.json'}" + (f", {out_dir / 'seed_sim.json'}" if sim else "") + f" and {summary}")
 

@@ -51,6 +51,7 @@ calls saw (calibration.noise.calls_gb_s; the stamp around a run whose calls fit 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -66,7 +67,7 @@ from hydra.core.hydra_config import HydraConfig
 
 from calibration import bandwidth_history
 from calibration.contention import CONTENDED_SHARE, Interval
-from calibration.cost_model import CostModel, weights_read_gb_s
+from calibration.cost_model import CostModel, other_kernels_warning, weights_read_gb_s
 from calibration.noise import RunNoise, calibration_stamps, calls_gb_s
 from calibration.physical import AnyCostModel, PhysicalCostModel, at_run_bandwidth
 from calibration.roofline import MemoryStamp
@@ -83,6 +84,8 @@ from sim.bands import BAND_METRICS, CALLS_ONLY, band, check_counts, conformal_ba
 from sim.run import load_cost_model, saturation_rate
 from sim.simulator import simulate
 from sim.executors import CostModelExecutor, physical_model
+
+log = logging.getLogger(__name__)
 
 SEED_BURST = WorkloadConfig()  # WorkloadConfig's defaults are the seed's burst
 
@@ -284,7 +287,7 @@ def real_run(engine, row: Row, calibration: Stamps, limits: Contention) -> dict:
     metrics = with_trace(real.metrics(), real.trace_calls(), row.scheduler.max_num_seqs)
     reason = contended(others.others_cores, Stamps(memory.gb_s, memory.weights_gb_s), calibration, limits)
     return {"metrics": metrics, "memory_gb_s": memory.gb_s, "weights_gb_s": memory.weights_gb_s,
-            "others_cores": others.others_cores,
+            "others_cores": others.others_cores, "kernels": engine.runner.kernels_used(),
             "contended": bool(reason), "reason": reason,
             # the prompts' ids too: with prefix caching, which requests share blocks is the run
             "replay": [(r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens, prompts[r.request_id])
@@ -561,6 +564,7 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
     stamps = Stamps(calibration_gb_s, calibration_weights_gb_s(cost))  # what each run is judged against
     for repeat in range(0 if app.real_runs else app.matrix.repeats):
         runs += in_fresh_process(real_repeat, app, rows, stamps, repeat)  # a fresh process per repeat
+    warn_other_kernels(cost, runs)
     physical = physical_model(cost)
     for r in runs:
         r["calls_gb_s"] = run_calls_gb_s(physical, r)
@@ -603,6 +607,17 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
     df = pd.DataFrame.from_records([{k: v for k, v in rec.items() if k != "_real"} for rec in records])
     df.to_csv(out_dir / "validation.csv", index=False)
     return df
+
+
+def warn_other_kernels(cost: AnyCostModel, runs: list[dict]) -> None:
+    """Say so (log and stdout) where the real runs' calls took other kernels than the profile's
+    (calibration.cost_model.other_kernels_warning); runs from before they were kept say nothing."""
+    seen = {json.dumps(r["kernels"], sort_keys=True) for r in runs if r.get("kernels")}
+    for kernels in sorted(seen):
+        warning = other_kernels_warning(cost.info.get("measured_on", {}), json.loads(kernels))
+        if warning:
+            log.warning(warning)
+            print(f"  warning: {warning}", flush=True)
 
 
 def add_conformal_bands(records: list[dict], level: float = 0.90) -> None:

@@ -186,6 +186,26 @@ def test_profile_from_another_device_is_warned_about_and_another_model_refused(t
         load_cost_model(str(profile), ModelConfig(name="qwen2_5_0_5b", dtype="bfloat16", device="cpu"))
 
 
+def test_a_profile_whose_calls_took_other_kernels_is_said_to(capsys):
+    from calibration.cost_model import other_kernels_warning
+    from experiments.validate import warn_other_kernels
+    from sim.executors import cost_model_from
+
+    profiled = {"gemv": True, "decode_attention": True, "layer_ops": True, "decoder_layers": True}
+    assert other_kernels_warning({"kernels": profiled}, dict(profiled)) is None
+    assert other_kernels_warning({}, profiled) is None and other_kernels_warning({"kernels": profiled}, {}) is None
+    off = {**profiled, "gemv": False, "decoder_layers": False}  # e.g. MINISERVE_KERNELS=0 for the linears
+    warning = other_kernels_warning({"kernels": profiled}, off)
+    assert "decoder_layers on there, off here, gemv on there, off here" in warning
+    assert "calibrate with the kernels this engine runs" in warning
+    # a kernel one side does not name counts as off there (a profile from before it existed)
+    assert "argmax off there, on here" in other_kernels_warning({"kernels": profiled}, {**profiled, "argmax": True})
+    cost = replace(cost_model_from(const=0.01), info={"measured_on": {"kernels": profiled}})
+    warn_other_kernels(cost, [{"kernels": profiled}, {"kernels": off}, {"kernels": off}, {}])
+    printed = capsys.readouterr().out
+    assert printed.count("other kernels") == 1 and "gemv on there, off here" in printed
+
+
 def test_describe_says_where_a_measurement_ran():
     info = dev.describe(torch.device("cpu"))
     assert info["device"] == "cpu" and info["torch"] == torch.__version__ and info["device_name"] == info["cpu"]

@@ -164,6 +164,10 @@ def test_tiny_validation_writes_the_error_table(tmp_path, tiny_profile):
     burst_calls = df[(df.workload == "seed_burst") & (df.metric == "model_calls")]
     assert (burst_calls.real == burst_calls.sim).all()
     assert (df.memory_gb_s > 0).all()  # each real run carries the memory bandwidth it ran at
+    # and the kernels its calls took: the tiny profile's, so nothing is said about them
+    profiled = json.loads(Path(tiny_profile).read_text())["measured_on"]["kernels"]
+    assert all(r["kernels"] == profiled for r in json.loads((tmp_path / "real_runs.json").read_text()))
+    assert "other kernels" not in out.stdout
     assert (df.runs_gb_s > 0).all()  # and the row the bandwidth its runs' calls saw (use_run_bandwidth's)
     assert "median |err|" in out.stdout and "GB/s" in out.stdout
     # how far each simulated metric moves with the machine 2% slower or faster: a burst (all at

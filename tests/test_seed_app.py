@@ -46,6 +46,9 @@ def test_seed_app_on_tiny_model_writes_the_table_and_traces(tmp_path):
         for side in (data[name], sim[name]):
             assert side["weights_read_gb_s"] is None or side["weights_read_gb_s"] > 0
         assert (data[name]["weights_read_gb_s"] is None) == (sim[name]["weights_read_gb_s"] is None)
+        # and with the kernels its calls took: the same on both sides here, so no warning
+        assert data[name]["kernels"] == sim[name]["kernels"] and "gemv" in data[name]["kernels"]
+    assert "other kernels" not in out.stdout
     assert "real vs simulated" in out.stdout and "memory GB/s" in out.stdout and "weights GB/s" in out.stdout
     for png in ("seed_occupancy.png", "seed_active.png", "seed_latency_cdf.png"):
         assert (tmp_path / "report" / png).stat().st_size > 10_000
