@@ -26,6 +26,10 @@ from engine.model.kernels.features import cpu_model
 
 VERSION = 2  # 2: keyed by model too (version 1 files, which mixed a tiny model's runs in, are ignored)
 KEEP = 2000  # newest entries kept: months of calibrations and validations
+# the sources whose entries are the bandwidth a validate run's calls saw (calibration.noise.calls_gb_s),
+# not a probe's stamp: "validate run" is how they were recorded before stamps got their own source
+# (validate recorded a run's calls' bandwidth wherever one fitted, its stamp elsewhere)
+CALLS_SOURCES = ("validate run's calls", "validate run")
 
 
 def machine_key(threads: int, model: str) -> dict:
@@ -77,9 +81,11 @@ def record(threads: int, model: str, gb_s: Iterable[float], source: str) -> Path
 def profile_history(threads: int, model: str, own: list[float], source: str = "calibration stamp") -> dict:
     """The profile's ``noise`` entries for the history: this machine's file so far plus ``own``
     (this calibration's stamps), which are then recorded in the file for later profiles."""
-    past = [e.gb_s for e in load(threads, model)]
+    entries = load(threads, model)
+    past = [e.gb_s for e in entries]
     own = [float(x) for x in own if x and x > 0]
     path = record(threads, model, own, source)
     return {"memory_gb_s_history": [round(x, 2) for x in past + own],
+            "memory_gb_s_history_from_calls": [e.source in CALLS_SOURCES for e in entries] + [False] * len(own),
             "memory_gb_s_history_source": f"{len(own)} calibration stamps + {len(past)} from this machine's history "
                                           f"({path.name})"}

@@ -150,20 +150,25 @@ def other_device_warning(measured_on: dict, run_on: dict) -> str | None:
             f"times will differ; calibrate on this device for a like-for-like comparison")
 
 
-def other_kernels_warning(measured_on: dict, run_kernels: dict) -> str | None:
+def other_kernels_warning(measured_on: dict, run_kernels: dict, run_device: str | None = None) -> str | None:
     """A clear sentence when the run's calls take other kernels than the profile's calls did
     (engine.model.runner.ModelRunner.kernels_used: miniserve's gemv, attention, layer ops, the
     layers in one call ...), e.g. under MINISERVE_KERNELS=0, a feature mask or a dispatch table
-    measured anew; None when they match or either does not say. Each kernel moves its calls by a
-    few percent to several times (docs/architecture.md), which a simulation would count as its error."""
+    measured anew; None when they match, either does not say, or the run is on another device
+    than the profile (other_device_warning says that, and there every CPU kernel is off). Each
+    kernel moves its calls by a few percent to several times (docs/architecture.md), which a
+    simulation would count as its error. A kernel one side does not name (a profile from before
+    it existed) is said to be not recorded there."""
     profiled = measured_on.get("kernels")
     if not profiled or not run_kernels:
+        return None
+    if run_device and measured_on.get("device") and run_device != measured_on["device"]:
         return None
     differ = sorted(k for k in set(profiled) | set(run_kernels) if bool(profiled.get(k)) != bool(run_kernels.get(k)))
     if not differ:
         return None
-    said = lambda on: "on" if on else "off"  # noqa: E731
-    what = ", ".join(f"{k} {said(profiled.get(k))} there, {said(run_kernels.get(k))} here" for k in differ)
+    said = lambda side, k: "not recorded" if k not in side else "on" if side[k] else "off"  # noqa: E731
+    what = ", ".join(f"{k} {said(profiled, k)} there, {said(run_kernels, k)} here" for k in differ)
     return (f"the calibration profile's calls ran other kernels than this run's ({what}): its call "
             f"times are those kernels', so simulated and real times will differ by more than the "
             f"simulator's error; calibrate with the kernels this engine runs")

@@ -149,22 +149,38 @@ class RunNoise:
     memory_gb_s: tuple[float, ...] = ()
     round_log: tuple[float, ...] = (0.0,)
     source: str = "calibration rounds"
+    # which of memory_gb_s are a bandwidth some run's calls saw (calls_gb_s: the calls' total is
+    # the run's there, so it holds their mean residual) rather than a probe's stamp, which holds
+    # none (NoisyExecutor centres the residuals on the former only); () none of them
+    from_calls: tuple[bool, ...] = ()
+
+    def seen_by_calls(self, i: int) -> bool:
+        """Whether draw ``i`` of ``memory_gb_s`` is a bandwidth a run's calls saw."""
+        return i < len(self.from_calls) and self.from_calls[i]
 
     @classmethod
     def of_profile(cls, profile: dict) -> RunNoise:
         """What a profile (or a cost model's ``info``) gives: its bandwidth history, else its rounds."""
         noise = profile.get("noise") or {}
         rounds = tuple(noise.get("round_log") or (0.0,))
-        history = tuple(float(x) for x in noise.get("memory_gb_s_history") or () if x > 0)
-        if history:
-            return cls(history, rounds, noise.get("memory_gb_s_history_source") or "the profile's bandwidth history")
+        values = noise.get("memory_gb_s_history") or ()
+        flags = noise.get("memory_gb_s_history_from_calls") or ()  # profiles before it: stamps all
+        kept = [(float(x), bool(f)) for x, f in zip(values, list(flags) + [False] * len(values)) if x > 0]
+        if kept:
+            return cls(tuple(x for x, _ in kept), rounds,
+                       noise.get("memory_gb_s_history_source") or "the profile's bandwidth history",
+                       tuple(f for _, f in kept))
         return cls((), rounds, f"{len(rounds)} calibration rounds")
 
-    def with_stamps(self, stamps: Sequence[float], source: str) -> RunNoise:
-        """The same with more stamps drawn from (``source`` says whence, for the log and validation.csv)."""
-        extra = tuple(float(x) for x in stamps if x > 0)
-        return RunNoise(self.memory_gb_s + extra, self.round_log, f"{self.source} + {source}" if self.memory_gb_s
-                        else source)
+    def with_stamps(self, stamps: Sequence[float], source: str, from_calls: Sequence[bool] = ()) -> RunNoise:
+        """The same with more bandwidths drawn from (``source`` says whence, for the log and
+        validation.csv; ``from_calls``: which of them a run's calls saw, none where not given)."""
+        flags = list(from_calls) + [False] * (len(stamps) - len(from_calls))
+        extra = [(float(x), bool(f)) for x, f in zip(stamps, flags) if x > 0]
+        mine = tuple(self.seen_by_calls(i) for i in range(len(self.memory_gb_s)))
+        return RunNoise(self.memory_gb_s + tuple(x for x, _ in extra), self.round_log,
+                        f"{self.source} + {source}" if self.memory_gb_s else source,
+                        mine + tuple(f for _, f in extra))
 
     def describe(self) -> str:
         """One line for the log and validation.csv's ``band_source``."""

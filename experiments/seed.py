@@ -96,7 +96,7 @@ def run_scheduler(model: ModelConfig, scheduler: SchedulerConfig, workload: Work
     write_metrics_json(metrics, out_dir / "metrics.json")
     return seed_row(metrics, trace_path, scheduler.max_num_seqs, out_dir.parent) | {
         "memory_read_gb_s": memory.gb_s, "weights_read_gb_s": memory.weights_gb_s,
-        "kernels": engine.runner.kernels_used()}
+        "kernels": engine.runner.kernels_used(), "device": engine.runner.device.type}
 
 
 def _export_model_regions(prof, path: Path) -> None:
@@ -126,7 +126,7 @@ def simulate_scheduler(profile: str, model: ModelConfig, scheduler: SchedulerCon
     metrics = write_outputs(run_workload(cost, scheduler, workload, SimOptions()), out_dir, scheduler.max_num_seqs)
     return seed_row(metrics, out_dir / "trace.json", scheduler.max_num_seqs, out_dir.parent.parent) | {
         "memory_read_gb_s": cost.memory_read_gb_s, "weights_read_gb_s": weights_read_gb_s(cost.info),  # the calibration's
-        "kernels": cost.info.get("measured_on", {}).get("kernels")}
+        "kernels": cost.info.get("measured_on", {}).get("kernels"), "device": cost.info.get("measured_on", {}).get("device")}
 
 
 def run_seed_experiment(app: SeedApp, out_dir: Path) -> tuple[dict, dict | None]:
@@ -162,10 +162,10 @@ def main(cfg) -> None:
         print(format_seed_table(sim, app.scheduler.max_num_seqs))
         print("\nreal vs simulated:")
         print(format_side_by_side(real, sim))
-        for name in real:
-            warning = other_kernels_warning({"kernels": sim[name].get("kernels")}, real[name].get("kernels") or {})
-            if warning:
-                print(f"warning ({name}): {warning}")
+        warnings = {other_kernels_warning({"kernels": sim[n].get("kernels"), "device": sim[n].get("device")},
+                                          real[n].get("kernels") or {}, real[n].get("device")) for n in real}
+        for warning in sorted(w for w in warnings if w):
+            print(f"warning: {warning}")
     summary = build_report(ReportApp(seed_dir=str(out_dir)), out_dir / "report")
     print(f"\nwrote {out_dir / 'seed.json'}" + (f", {out_dir / 'seed_sim.json'}" if sim else "") + f" and {summary}")
 

@@ -288,6 +288,7 @@ def real_run(engine, row: Row, calibration: Stamps, limits: Contention) -> dict:
     reason = contended(others.others_cores, Stamps(memory.gb_s, memory.weights_gb_s), calibration, limits)
     return {"metrics": metrics, "memory_gb_s": memory.gb_s, "weights_gb_s": memory.weights_gb_s,
             "others_cores": others.others_cores, "kernels": engine.runner.kernels_used(),
+            "device": engine.runner.device.type,
             "contended": bool(reason), "reason": reason,
             # the prompts' ids too: with prefix caching, which requests share blocks is the run
             "replay": [(r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens, prompts[r.request_id])
@@ -444,7 +445,8 @@ def row_run_noise(cost: AnyCostModel, runs: list[dict], row: int, draw: str, his
     called = sum(r.get("calls_gb_s") is not None for r in others) if history == "calls" else 0
     how = "stamped" if not called else "as their calls saw it" if called == len(others) else \
         f"{called} as their calls saw it, the rest stamped"
-    return base.with_stamps(stamps, f"{len(others)} of other rows' real runs, {how}")
+    return base.with_stamps(stamps, f"{len(others)} of other rows' real runs, {how}",
+                            [history == "calls" and r.get("calls_gb_s") is not None for r in others])
 
 
 def replay_requests(replay: list[tuple], prefix_caching: bool = False) -> list[Request]:
@@ -573,8 +575,11 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
         from engine.model.loader import config_fingerprint  # here: this process runs no model itself
 
         threads = app.model.num_threads or cost.info.get("measured_on", {}).get("threads") or os.cpu_count()
-        bandwidth_history.record(threads, config_fingerprint(app.model), [run_gb_s(r) for r in runs],
-                                 "validate run")
+        fingerprint = config_fingerprint(app.model)
+        bandwidth_history.record(threads, fingerprint, [r["calls_gb_s"] for r in runs if r["calls_gb_s"] is not None],
+                                 bandwidth_history.CALLS_SOURCES[0])
+        bandwidth_history.record(threads, fingerprint, [r["memory_gb_s"] for r in runs if r["calls_gb_s"] is None],
+                                 "validate run stamp")
     (out_dir / "real_runs.json").write_text(json.dumps(runs))
     pd.DataFrame.from_records([{"row": r["row"], "workload": rows[r["row"]].name,
                                 "scheduler": rows[r["row"]].scheduler.name,
@@ -610,14 +615,13 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
 
 
 def warn_other_kernels(cost: AnyCostModel, runs: list[dict]) -> None:
-    """Say so (log and stdout) where the real runs' calls took other kernels than the profile's
+    """Log once per kernel set where the real runs' calls took other kernels than the profile's
     (calibration.cost_model.other_kernels_warning); runs from before they were kept say nothing."""
-    seen = {json.dumps(r["kernels"], sort_keys=True) for r in runs if r.get("kernels")}
-    for kernels in sorted(seen):
-        warning = other_kernels_warning(cost.info.get("measured_on", {}), json.loads(kernels))
+    seen = {json.dumps([r["kernels"], r.get("device")], sort_keys=True) for r in runs if r.get("kernels")}
+    for kernels, device in (json.loads(s) for s in sorted(seen)):
+        warning = other_kernels_warning(cost.info.get("measured_on", {}), kernels, device)
         if warning:
             log.warning(warning)
-            print(f"  warning: {warning}", flush=True)
 
 
 def add_conformal_bands(records: list[dict], level: float = 0.90) -> None:

@@ -150,13 +150,13 @@ class NoisyExecutor(CostModelExecutor):
     otherwise one calibration round's factor, as older profiles always had. Each step is drawn, so
     the simulator never runs repeated steps at once (``decode_costs`` is None).
 
-    Under a bandwidth draw the residuals are centred (each draw less log mean e^residual, so a
-    call's factor averages 1): the bandwidth a run's calls saw (calibration.noise.calls_gb_s) is
-    the one at which the model's calls add up to the run's measured total, so it already holds
-    the calls' mean residual, and drawing residuals with their mean on top priced every call
-    twice for it (e^mean = 1.05 on a Zen 4 profile: the replicates' band sat that much slow and
-    held 73% of a validation's real runs; centred, 93%, docs/architecture.md). The round factor
-    is a median over shapes, not a total: there the residuals keep their mean."""
+    Where the drawn bandwidth is one a run's calls saw (calibration.noise.calls_gb_s:
+    ``RunNoise.seen_by_calls``) the residuals are centred (each draw less log mean e^residual,
+    so a call's factor averages 1, exactly for ρ = 0): at that bandwidth the model's calls add up
+    to the run's measured total, so it already holds the calls' mean residual, and drawing
+    residuals with their mean on top priced every call twice for it (e^mean = 1.05 on a Zen 4
+    profile: the replicates' band sat that much slow, docs/architecture.md). A probe's stamp
+    and the round factor (a median over shapes) hold no such mean: there the residuals keep it."""
 
     def __init__(self, cost_model: AnyCostModel, seed: int, run_noise: RunNoise | None = None) -> None:
         super().__init__(cost_model)
@@ -174,9 +174,11 @@ class NoisyExecutor(CostModelExecutor):
             self._at_run = None
         else:
             self.run_factor = 1.0
-            self.memory_gb_s = self._rng.choice(self.run_noise.memory_gb_s)
+            drawn = self._rng.randrange(len(self.run_noise.memory_gb_s))  # = choice(): the same draws as before
+            self.memory_gb_s = self.run_noise.memory_gb_s[drawn]
             self._base, self._at_run = physical, at_run_bandwidth(physical, self.memory_gb_s)
-            self._calls = centred(self._calls)
+            if self.run_noise.seen_by_calls(drawn):
+                self._calls = centred(self._calls)
         self._mean = statistics.fmean(self._calls)
 
     def call_s(self, plan: BatchPlan) -> float:

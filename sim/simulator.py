@@ -75,7 +75,7 @@ class CallLog:
         return len(self.label)
 
     def every_call(self) -> Iterator[tuple[str, float, float]]:
-        """(label, start_s, dur_s) of every call, replicas interleaved in the order they ended."""
+        """(label, start_s, dur_s) of every call, replicas interleaved in the order they started."""
         names = self.names
         for i, start, dur in zip(self.label, self.start_s, self.dur_s):
             yield names[i], start, dur

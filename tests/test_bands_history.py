@@ -45,8 +45,7 @@ def test_a_replicate_draws_its_bandwidth_from_the_history_and_prices_calls_at_it
 def test_under_a_bandwidth_draw_the_call_residuals_add_spread_but_no_mean():
     """The bandwidth a run's calls saw already holds their mean residual (its calls add up to the
     run's total there), so the residuals drawn on top are centred: at the calibration's own
-    bandwidth the calls average the prediction. The round factor, a median over shapes, keeps them
-    as measured."""
+    bandwidth the calls average the prediction. A stamp and the round factor keep them as measured."""
     skewed = [-0.1, -0.05, 0.0, 0.0, 0.02, 0.1, 0.4]  # right-skewed, as a busy host's calls are
     cost = quiet(physical_model(machine=Machine(40.0, 400.0)), call_log=skewed, round_log=[0.0])
     predicted = cost.predict(DECODE)
@@ -55,9 +54,11 @@ def test_under_a_bandwidth_draw_the_call_residuals_add_spread_but_no_mean():
         calls = [ex.call_s(DECODE) for ex in (NoisyExecutor(cost, s, run_noise) for s in range(40)) for _ in range(100)]
         return sum(calls) / len(calls)
 
-    assert mean_call(RunNoise((40.0,))) == pytest.approx(predicted, rel=0.01)
+    assert mean_call(RunNoise((40.0,), from_calls=(True,))) == pytest.approx(predicted, rel=0.01)
     measured_mean = sum(math.exp(r) for r in skewed) / len(skewed)
     assert measured_mean > 1.04
+    # a probe's stamp holds no mean residual, nor does a round factor: the residuals keep theirs
+    assert mean_call(RunNoise((40.0,))) == pytest.approx(predicted * measured_mean, rel=0.01)
     assert mean_call(RunNoise()) == pytest.approx(predicted * measured_mean, rel=0.01)
 
 
@@ -133,6 +134,10 @@ def test_a_rows_band_draws_from_the_other_rows_runs_never_its_own():
                                            "grid": {"round_stamps_gb_s": [42.0]}})
     noise = row_run_noise(cost, runs_of(), 1, "history")
     assert sorted(noise.memory_gb_s) == [10.0] * 3 + [30.0] * 3 + [41.0, 42.0, 43.0]  # no 20: row 1's own
+    # the other rows' runs as their calls saw them, the calibration's stamps as stamped
+    assert {x: noise.seen_by_calls(i) for i, x in enumerate(noise.memory_gb_s)} == \
+        {10.0: True, 30.0: True, 41.0: False, 42.0: False, 43.0: False}
+    assert not any(row_run_noise(cost, runs_of(), 1, "history", "stamps").from_calls)
     assert "other rows" in noise.describe() and "3 calibration stamps" in noise.source
     assert sorted(row_run_noise(cost, runs_of(), 0, "history", "stamps").memory_gb_s)[3:] == [101.0] * 3 + [102.0] * 3
     assert row_run_noise(cost, runs_of(), 1, "rounds").memory_gb_s == ()  # the band before the history
@@ -168,6 +173,12 @@ def test_the_machine_history_keeps_its_entries_and_ignores_another_machines_and_
     assert out["memory_gb_s_history"] == [40.0, 44.0, 50.0] and "2 from this machine's history" in \
         out["memory_gb_s_history_source"]
     assert [e.gb_s for e in bandwidth_history.load(2, m)] == [40.0, 44.0, 50.0]
+    # a validate run's calls' bandwidth is marked as such (a replicate centres its residuals on it)
+    bandwidth_history.record(2, m, [60.0], "validate run's calls")
+    bandwidth_history.record(2, m, [30.0], "validate run stamp")
+    out = bandwidth_history.profile_history(2, m, [52.0])
+    assert out["memory_gb_s_history_from_calls"] == [False, False, False, True, False, False]
+    assert RunNoise.of_profile({"noise": out}).from_calls == (False, False, False, True, False, False)
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "key": {**data["key"], "cpu": "another"}}))
     assert bandwidth_history.load(2, m) == []

@@ -186,7 +186,7 @@ def test_profile_from_another_device_is_warned_about_and_another_model_refused(t
         load_cost_model(str(profile), ModelConfig(name="qwen2_5_0_5b", dtype="bfloat16", device="cpu"))
 
 
-def test_a_profile_whose_calls_took_other_kernels_is_said_to(capsys):
+def test_a_profile_whose_calls_took_other_kernels_is_said_to(caplog):
     from calibration.cost_model import other_kernels_warning
     from experiments.validate import warn_other_kernels
     from sim.executors import cost_model_from
@@ -198,12 +198,17 @@ def test_a_profile_whose_calls_took_other_kernels_is_said_to(capsys):
     warning = other_kernels_warning({"kernels": profiled}, off)
     assert "decoder_layers on there, off here, gemv on there, off here" in warning
     assert "calibrate with the kernels this engine runs" in warning
-    # a kernel one side does not name counts as off there (a profile from before it existed)
-    assert "argmax off there, on here" in other_kernels_warning({"kernels": profiled}, {**profiled, "argmax": True})
-    cost = replace(cost_model_from(const=0.01), info={"measured_on": {"kernels": profiled}})
-    warn_other_kernels(cost, [{"kernels": profiled}, {"kernels": off}, {"kernels": off}, {}])
-    printed = capsys.readouterr().out
-    assert printed.count("other kernels") == 1 and "gemv on there, off here" in printed
+    # a kernel one side does not name is not recorded there (a profile from before it existed)
+    assert "argmax not recorded there, on here" in other_kernels_warning({"kernels": profiled},
+                                                                          {**profiled, "argmax": True})
+    # on another device than the profile's every CPU kernel is off: the device warning says it all
+    on_cpu = {"kernels": profiled, "device": "cpu"}
+    assert other_kernels_warning(on_cpu, off, "cuda") is None and other_kernels_warning(on_cpu, off, "cpu")
+    cost = replace(cost_model_from(const=0.01), info={"measured_on": on_cpu})
+    with caplog.at_level(logging.WARNING, logger="experiments.validate"):
+        warn_other_kernels(cost, [{"kernels": profiled, "device": "cpu"}, {"kernels": off, "device": "cpu"},
+                                  {"kernels": off, "device": "cpu"}, {"kernels": off, "device": "cuda"}, {}])
+    assert caplog.text.count("other kernels") == 1 and "gemv on there, off here" in caplog.text
 
 
 def test_describe_says_where_a_measurement_ran():
