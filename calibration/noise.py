@@ -17,7 +17,9 @@ calibration report prints beside its errors) and coefficient of variation.
 - ``memory_gb_s_history``: read-bandwidth stamps of this machine over a longer time than the
   calibration's minutes (its own stamps and calibration.bandwidth_history's per-machine file):
   the slow, run-level component a replicate draws from (RunNoise). Older profiles lack it and
-  draw a round factor instead.
+  draw a round factor instead. ``memory_gb_s_history_from_calls`` marks the entries that are a
+  validate run's calls' bandwidth (calls_gb_s) rather than a probe's stamp: a replicate drawing
+  one of those centres its residuals (sim.executors.NoisyExecutor).
 """
 
 from __future__ import annotations
