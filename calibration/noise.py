@@ -165,24 +165,21 @@ class RunNoise:
         """What a profile (or a cost model's ``info``) gives: its bandwidth history, else its rounds."""
         noise = profile.get("noise") or {}
         rounds = tuple(noise.get("round_log") or (0.0,))
-        values = noise.get("memory_gb_s_history") or ()
-        flags = noise.get("memory_gb_s_history_from_calls") or ()  # profiles before it: stamps all
-        kept = [(float(x), bool(f)) for x, f in zip(values, list(flags) + [False] * len(values)) if x > 0]
-        if kept:
-            return cls(tuple(x for x, _ in kept), rounds,
-                       noise.get("memory_gb_s_history_source") or "the profile's bandwidth history",
-                       tuple(f for _, f in kept))
+        # profiles from before the flags: every entry a stamp
+        history, flags = _positive(noise.get("memory_gb_s_history") or (),
+                                   noise.get("memory_gb_s_history_from_calls") or ())
+        if history:
+            return cls(history, rounds, noise.get("memory_gb_s_history_source") or "the profile's bandwidth history",
+                       flags)
         return cls((), rounds, f"{len(rounds)} calibration rounds")
 
     def with_stamps(self, stamps: Sequence[float], source: str, from_calls: Sequence[bool] = ()) -> RunNoise:
         """The same with more bandwidths drawn from (``source`` says whence, for the log and
         validation.csv; ``from_calls``: which of them a run's calls saw, none where not given)."""
-        flags = list(from_calls) + [False] * (len(stamps) - len(from_calls))
-        extra = [(float(x), bool(f)) for x, f in zip(stamps, flags) if x > 0]
-        mine = tuple(self.seen_by_calls(i) for i in range(len(self.memory_gb_s)))
-        return RunNoise(self.memory_gb_s + tuple(x for x, _ in extra), self.round_log,
-                        f"{self.source} + {source}" if self.memory_gb_s else source,
-                        mine + tuple(f for _, f in extra))
+        extra, extra_flags = _positive(stamps, from_calls)
+        mine = _positive(self.memory_gb_s, self.from_calls)[1]
+        return RunNoise(self.memory_gb_s + extra, self.round_log,
+                        f"{self.source} + {source}" if self.memory_gb_s else source, mine + extra_flags)
 
     def describe(self) -> str:
         """One line for the log and validation.csv's ``band_source``."""
@@ -190,6 +187,14 @@ class RunNoise:
             return f"round factor from {self.source}"
         return (f"bandwidth from {len(self.memory_gb_s)} stamps, {min(self.memory_gb_s):.0f}–"
                 f"{max(self.memory_gb_s):.0f} GB/s ({self.source})")
+
+
+def _positive(values: Sequence[float], flags: Sequence[bool]) -> tuple[tuple[float, ...], tuple[bool, ...]]:
+    """The positive values (others are no measurement) and each one's flag, False where ``flags``
+    is shorter."""
+    padded = list(flags) + [False] * (len(values) - len(flags))
+    kept = [(float(x), bool(f)) for x, f in zip(values, padded) if x > 0]
+    return tuple(x for x, _ in kept), tuple(f for _, f in kept)
 
 
 def calls_gb_s(physical, calls: Sequence[tuple[object, float]], low: float = 1.0, high: float = 1e4) -> float | None:

@@ -124,9 +124,10 @@ def simulate_scheduler(profile: str, model: ModelConfig, scheduler: SchedulerCon
 
     cost = load_cost_model(profile, model)
     metrics = write_outputs(run_workload(cost, scheduler, workload, SimOptions()), out_dir, scheduler.max_num_seqs)
+    measured_on = cost.info.get("measured_on", {})  # the calibration's, as the bandwidths are
     return seed_row(metrics, out_dir / "trace.json", scheduler.max_num_seqs, out_dir.parent.parent) | {
-        "memory_read_gb_s": cost.memory_read_gb_s, "weights_read_gb_s": weights_read_gb_s(cost.info),  # the calibration's
-        "kernels": cost.info.get("measured_on", {}).get("kernels"), "device": cost.info.get("measured_on", {}).get("device")}
+        "memory_read_gb_s": cost.memory_read_gb_s, "weights_read_gb_s": weights_read_gb_s(cost.info),
+        "kernels": measured_on.get("kernels"), "device": measured_on.get("device")}
 
 
 def run_seed_experiment(app: SeedApp, out_dir: Path) -> tuple[dict, dict | None]:

@@ -442,11 +442,11 @@ def row_run_noise(cost: AnyCostModel, runs: list[dict], row: int, draw: str, his
         base = RunNoise(tuple(stamps), base.round_log, f"{len(stamps)} calibration stamps")
     others = [r for r in runs if r["row"] != row]
     stamps = [run_gb_s(r) if history == "calls" else r["memory_gb_s"] for r in others]
-    called = sum(r.get("calls_gb_s") is not None for r in others) if history == "calls" else 0
+    from_calls = [history == "calls" and r.get("calls_gb_s") is not None for r in others]
+    called = sum(from_calls)
     how = "stamped" if not called else "as their calls saw it" if called == len(others) else \
         f"{called} as their calls saw it, the rest stamped"
-    return base.with_stamps(stamps, f"{len(others)} of other rows' real runs, {how}",
-                            [history == "calls" and r.get("calls_gb_s") is not None for r in others])
+    return base.with_stamps(stamps, f"{len(others)} of other rows' real runs, {how}", from_calls)
 
 
 def replay_requests(replay: list[tuple], prefix_caching: bool = False) -> list[Request]:
