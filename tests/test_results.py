@@ -88,3 +88,7 @@ def test_vllm_flags_become_overrides():
         vllm_to_overrides(["--dataset-path", "x.json"])
     with pytest.raises(ValueError, match="--num-prompts needs a value"):
         vllm_to_overrides(["--num-prompts"])
+    # Hydra's own flags stay Hydra's, as in every other app: --help, --cfg job, --multirun
+    assert vllm_to_overrides(["--cfg", "job", "--num-prompts", "5"]) == ["--cfg", "job", "workload.num_requests=5"]
+    assert vllm_to_overrides(["--help"]) == ["--help"]
+    assert vllm_to_overrides(["--multirun", "bench.max_concurrency=1,2"]) == ["--multirun", "bench.max_concurrency=1,2"]

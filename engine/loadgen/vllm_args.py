@@ -3,9 +3,9 @@
     python -m experiments.bench --base-url http://127.0.0.1:8000 --request-rate 4 --burstiness 0.5 \\
         --num-prompts 200 --max-concurrency 8 --goodput ttft:500 tpot:50 --random-input-len 256
 
-Hydra-style arguments (``key=value``) pass through untouched and may be mixed in. Flags that change
-nothing here (``--model``, ``--save-result``, ...) are accepted and ignored; any other flag is an
-error naming the ones understood.
+Hydra-style arguments (``key=value``) and Hydra's own flags (``--help``, ``--cfg job``, ``--multirun``,
+...) pass through untouched and may be mixed in. Flags that change nothing here (``--model``,
+``--save-result``, ...) are accepted and ignored; any other flag is an error naming the ones understood.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ IGNORED_WITH_VALUE = ("--model", "--served-model-name", "--tokenizer", "--datase
                       "--endpoint", "--label", "--result-filename", "--percentile-metrics", "--metric-percentiles")
 IGNORED_SWITCHES = ("--save-result", "--save-detailed", "--skip-tokenizer-init")
 HANDLED = ("--host", "--port", "--request-rate", "--burstiness", "--goodput")
+# Hydra's own command-line flags (hydra/_internal/utils.py get_args_parser): every Hydra app takes them
+HYDRA_FLAGS = ("--help", "--hydra-help", "--version", "--cfg", "--package", "--resolve", "--run", "--multirun",
+               "--shell-completion", "--config-path", "--config-name", "--config-dir", "--experimental-rerun",
+               "--info")
 
 
 def _split(argv: list[str]) -> list[tuple[str, list[str]]]:
@@ -49,6 +53,9 @@ def vllm_to_overrides(argv: list[str]) -> list[str]:
     for flag, values in _split(argv):
         if flag == "":  # Hydra arguments (key=value, -m, ...)
             overrides += values
+            continue
+        if flag in HYDRA_FLAGS:  # its values (--cfg job) and the overrides after it are Hydra's too
+            overrides += [flag, *values]
             continue
         if flag in SWITCHES or flag in IGNORED_SWITCHES:
             if flag in SWITCHES:
