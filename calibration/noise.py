@@ -208,20 +208,64 @@ def calls_gb_s(physical, calls: Sequence[tuple[object, float]], low: float = 1.0
     A stamp is a 0.1 s probe before and after a run; this is the whole run as the calls felt it,
     the machine's slow component measured where it matters. None when no bandwidth in
     [low, high] fits (calls all compute-bound, or none)."""
+    return _total_fit(lambda b: physical.with_machine(memory_gb_s=b), [(p, t) for p, t in calls if t > 0], low, high)
+
+
+# the fewest calls either group of calls_machine's is fitted from: a run's handful of prefills
+# would otherwise set its matmul rate from one or two calls' jitter
+MIN_GROUP_CALLS = 8
+
+
+def calls_machine(physical, calls: Sequence[tuple[object, float]]) -> tuple[float | None, float | None]:
+    """(read GB/s, matmul GFLOP/s) a run's calls saw: the bandwidth at which its memory-bound calls'
+    total is priced right and the matmul rate at which its compute-bound calls' is (a call is
+    compute-bound where, priced on the calibration's machine, more of its time goes away with
+    unlimited arithmetic than with unlimited bandwidth). ``calls_gb_s`` moves the bandwidth only,
+    so a spell of the CPU itself (a neighbour's turn on the core, another clock) stays in the
+    prefills, and with it in each request's TTFT (docs/architecture.md has the figures). With
+    fewer than MIN_GROUP_CALLS calls in either group, or a group no limit in range prices:
+    ``calls_gb_s`` over every call and no matmul rate (None: the calibration's)."""
     calls = [(p, t) for p, t in calls if t > 0]
+    memory_part = _lifted(physical, calls, memory_gb_s=1e12)
+    compute_part = _lifted(physical, calls, matmul_gflops=1e12)
+    compute = [c for c, m, f in zip(calls, memory_part, compute_part) if f > m]
+    memory = [c for c, m, f in zip(calls, memory_part, compute_part) if f <= m]
+    if len(compute) < MIN_GROUP_CALLS or len(memory) < MIN_GROUP_CALLS:
+        return calls_gb_s(physical, calls), None
+    gb_s: float | None = physical.memory_read_gb_s
+    gflops: float | None = physical.machine.matmul_gflops
+    for _ in range(6):  # each group moves mostly with its own limit: a few turns settle both
+        gb_s = _total_fit(lambda b, f=gflops: physical.with_machine(memory_gb_s=b, matmul_gflops=f), memory, 1.0, 1e4)
+        gflops = None if gb_s is None else _total_fit(
+            lambda f, b=gb_s: physical.with_machine(memory_gb_s=b, matmul_gflops=f), compute, 1.0, 1e6)
+        if gflops is None:  # a group no limit in range prices: the bandwidth alone, as calls_gb_s
+            return calls_gb_s(physical, calls), None
+    return gb_s, gflops
+
+
+def _lifted(physical, calls: Sequence[tuple[object, float]], **unlimited: float) -> list[float]:
+    """Each call's predicted seconds that go away when one limit (``memory_gb_s`` or
+    ``matmul_gflops``) is lifted to ``unlimited``'s value."""
+    lifted = physical.with_machine(**unlimited)
+    return [physical.predict(p) - lifted.predict(p) for p, _ in calls]
+
+
+def _total_fit(priced_at, calls: Sequence[tuple[object, float]], low: float, high: float) -> float | None:
+    """The limit ``x`` in [low, high] at which the cost model ``priced_at(x)`` predicts the calls'
+    measured total (bisection in log x, to 0.1%: the prediction falls as x rises); None where no
+    such x is in range, or there are no calls."""
     if not calls:
         return None
-
     measured = math.fsum(t for _, t in calls)
 
-    def gap(log_b: float) -> float:  # rises with b: a faster machine predicts shorter calls
-        at = physical.with_machine(memory_gb_s=math.exp(log_b))
+    def gap(log_x: float) -> float:
+        at = priced_at(math.exp(log_x))
         return math.log(measured / math.fsum(at.predict(p) for p, _ in calls))
 
     lo, hi = math.log(low), math.log(high)
     if gap(lo) > 0 or gap(hi) < 0:
         return None
-    while hi - lo > 1e-3:  # 0.1%
+    while hi - lo > 1e-3:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if gap(mid) < 0 else (lo, mid)
     return math.exp((lo + hi) / 2)

@@ -45,7 +45,9 @@ simulation with the profile's physical model priced at the median bandwidth that
 saw: with ``run_bandwidth=weights`` (default) the calibration's, scaled by how fast each run's own
 decode weights read against the calibration's (two stamps, independent of the calls); with
 ``run_bandwidth=calls``, or where a run or the profile has no weights stamp, the bandwidth its
-calls saw (calibration.noise.calls_gb_s; the stamp around a run whose calls fit none).
+calls saw (calibration.noise.calls_gb_s; the stamp around a run whose calls fit none); with
+``run_bandwidth=machine`` that and the matmul rate its compute-bound calls saw
+(calibration.noise.calls_machine), so a spell of the CPU in the prefills is not counted either.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ from hydra.core.hydra_config import HydraConfig
 from calibration import bandwidth_history
 from calibration.contention import CONTENDED_SHARE, Interval
 from calibration.cost_model import CostModel, other_kernels_warning, weights_read_gb_s
-from calibration.noise import RunNoise, calibration_stamps, calls_gb_s
+from calibration.noise import RunNoise, calibration_stamps, calls_gb_s, calls_machine
 from calibration.physical import AnyCostModel, PhysicalCostModel, at_run_bandwidth
 from calibration.roofline import MemoryStamp
 from engine.core.config import ModelConfig, SchedulerConfig
@@ -155,6 +157,9 @@ class ValidateCalibration:
     grid: str = "quick"
 
 
+RUN_BANDWIDTHS = ("weights", "calls", "machine")  # what use_run_bandwidth prices a row at (row_cost)
+
+
 @dataclass
 class ValidateApp:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -173,8 +178,9 @@ class ValidateApp:
     use_run_bandwidth: bool = False
     # what use_run_bandwidth prices a row at (run_gb_s): "weights", the calibration's bandwidth scaled
     # by the runs' own decode weights' read rate over the calibration's (placed_gb_s: stamps,
-    # independent of the runs' calls; the calls' where either side has no such stamp), or "calls"
-    # (calls_gb_s: fitted to the runs' calls)
+    # independent of the runs' calls; the calls' where either side has no such stamp), "calls"
+    # (calls_gb_s: fitted to the runs' calls), or "machine": the calls' bandwidth and matmul rate
+    # (calls_machine: fitted to the memory-bound calls' total and the compute-bound calls')
     run_bandwidth: str = "weights"
     # each row is also simulated with every call this much slower and faster (about a calibration's
     # held-out error plus a quiet host's drift between runs); validation.csv's sim_moves says how far
@@ -184,8 +190,8 @@ class ValidateApp:
     def __post_init__(self) -> None:
         if not 0 <= self.sensitivity < 1:
             raise ValueError(f"sensitivity must be in [0, 1), got {self.sensitivity!r}")
-        if self.run_bandwidth not in ("weights", "calls"):
-            raise ValueError(f"run_bandwidth must be weights or calls, got {self.run_bandwidth!r}")
+        if self.run_bandwidth not in RUN_BANDWIDTHS:
+            raise ValueError(f"run_bandwidth must be one of {', '.join(RUN_BANDWIDTHS)}, got {self.run_bandwidth!r}")
 
 
 register("validate_schema", ValidateApp)
@@ -372,17 +378,26 @@ def row_cost(cost: AnyCostModel, runs: list[dict], use_run_bandwidth: bool,
     weights landed in slow memory, is not counted as simulator error. Where that is the calls'
     bandwidth (one number per run, fitted to its calls' total time) throughput under it is no
     independent test, but when and with whom each request is scheduled (TTFT, the batches) still
-    is; the weights' stamps leave both."""
+    is; the weights' stamps leave both. ``source`` "machine" also prices the compute-bound terms
+    at the median matmul rate the runs' calls saw (``calls_gflops``; the calibration's where no
+    run fitted one): then the prefills' total is no test either, but each request's wait is."""
     if not use_run_bandwidth:
         return cost
-    return at_run_bandwidth(cost, runs_gb_s(runs, source))
+    priced = at_run_bandwidth(cost, runs_gb_s(runs, source))
+    gflops = [r["calls_gflops"] for r in counted(runs) if r.get("calls_gflops") is not None]
+    if source == "machine" and gflops and isinstance(priced, PhysicalCostModel):
+        return priced.with_machine(matmul_gflops=statistics.median(gflops))
+    return priced
 
 
 def run_gb_s(run: dict, source: str = "calls") -> float:
     """The read bandwidth a real run saw: with ``source`` "weights" as its weights' stamps place it
-    (``placed_gb_s``) where both sides were stamped; else its calls' (``calls_gb_s``), else the
-    probe's stamp where no bandwidth fits its calls."""
-    for key in ("placed_gb_s", "calls_gb_s") if source == "weights" else ("calls_gb_s",):
+    (``placed_gb_s``) where both sides were stamped, with "machine" as its memory-bound calls'
+    total does beside its compute-bound calls' (``machine_gb_s``, calls_machine); else its calls'
+    (``calls_gb_s``), else the probe's stamp where no bandwidth fits its calls."""
+    keys = {"weights": ("placed_gb_s", "calls_gb_s"), "calls": ("calls_gb_s",),
+            "machine": ("machine_gb_s", "calls_gb_s")}
+    for key in keys[source]:
         if run.get(key) is not None:
             return run[key]
     return run["memory_gb_s"]
@@ -419,6 +434,13 @@ def run_calls_gb_s(physical: PhysicalCostModel | None, run: dict) -> float | Non
     if physical is None:
         return None
     return calls_gb_s(physical, [(st.plan, st.model_s) for st in recorded_steps(run)])
+
+
+def run_calls_machine(physical: PhysicalCostModel | None, run: dict) -> tuple[float | None, float | None]:
+    """The bandwidth and matmul rate a real run's calls saw (calibration.noise.calls_machine)."""
+    if physical is None:
+        return None, None
+    return calls_machine(physical, [(st.plan, st.model_s) for st in recorded_steps(run)])
 
 
 def recorded_steps(run: dict) -> list[StepRecord]:
@@ -471,6 +493,28 @@ def simulate_replay(cost: AnyCostModel, row: Row, replay: list[tuple], time_scal
     return with_trace(sim.metrics(), sim.trace_calls(), row.scheduler.max_num_seqs)
 
 
+def ttft_per_request_error(cost: AnyCostModel, row: Row, runs: list[dict]) -> float:
+    """How far the simulation puts each request's TTFT: every counted real run against a
+    simulation of its own arrivals, request by request (sim / real − 1), the median over its
+    requests, then over the runs. A row's TTFT p50 over two dozen requests can sit in a gap between
+    two modes (an arrival that meets a step under way waits for it, one that does not goes straight
+    in), where a few milliseconds move the order statistic by tens of percent; paired by request,
+    the comparison does not depend on which side of the gap the median lands. NaN for runs from
+    before real_runs.json kept each request's first token."""
+    per_run = []
+    for run in counted(runs):
+        if not run.get("first_tokens"):
+            continue
+        requests = replay_requests(run["replay"], row.scheduler.enable_prefix_caching)
+        sim = simulate(requests, row.scheduler, lambda: CostModelExecutor(cost), keep_steps=True)
+        simulated = {r.request_id: r.token_times_s[0] - r.arrival_s for r in sim.records}
+        errors = [simulated[rid] / (first - arrival) - 1 for rid, arrival, _, first in run["first_tokens"]
+                  if first > arrival and rid in simulated]
+        if errors:
+            per_run.append(statistics.median(errors))
+    return statistics.median(per_run) if per_run else math.nan
+
+
 def replicate_metrics(cost: AnyCostModel, row: Row, replay: list[tuple], n: int, seed: int,
                       run_noise: RunNoise | None = None) -> list[dict]:
     """The metrics of ``n`` noisy replicates of a row's replay (sim.bands.replicates)."""
@@ -501,13 +545,14 @@ def row_moves(cost: AnyCostModel, row: Row, replay: list[tuple], sim_m: dict, by
 def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict], tolerance: dict,
                 calibration_gb_s: float, band_source: str = "", moves: dict[str, float] | None = None,
                 calibration_weights_gb_s: float = math.nan, source: str = "calls",
-                calls_noise_m: Sequence[dict] = ()) -> list[dict]:
+                calls_noise_m: Sequence[dict] = (), ttft_request_error: float = math.nan) -> list[dict]:
     """validation.csv's records of one row, one per metric; with ``calls_noise_m`` (replicates
     with the calls' own noise only), their median and whether it passes, beside the deterministic
-    simulation's."""
+    simulation's; ``ttft_request_error`` (ttft_per_request_error) on the row's TTFT records."""
     used = counted(runs)
     seen_gb_s = runs_gb_s(runs, source)
     weights = [r["weights_gb_s"] for r in used if r.get("weights_gb_s") is not None]  # none in older real_runs
+    gflops = [r["calls_gflops"] for r in used if r.get("calls_gflops") is not None]
     records = []
     for metric, read, kind in METRICS:
         real = [float(read(r["metrics"])) for r in used]
@@ -521,10 +566,14 @@ def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict]
                "contended_runs": sum(r["contended"] for r in used), "reruns": len(runs) - len(used),
                "sim": sim, "rel_error": err, "tolerance": tolerance[kind], "allowed": allowed, "ok": ok,
                "memory_gb_s": statistics.median(r["memory_gb_s"] for r in used), "runs_gb_s": seen_gb_s,
+               # the matmul rate the runs' compute-bound calls saw (calls_machine; run_bandwidth=machine's)
+               "runs_gflops": statistics.median(gflops) if gflops else math.nan,
                "calibration_memory_gb_s": calibration_gb_s,
                # the runs' and the calibration's own decode weights' read rates (MemoryStamp)
                "weights_gb_s": statistics.median(weights) if weights else math.nan,
                "calibration_weights_gb_s": calibration_weights_gb_s, "_real": real}
+        if metric.startswith("ttft"):
+            rec["ttft_per_request_error"] = ttft_request_error
         floor = repeat_floor(sim, real, tolerance[kind], absolute)
         if floor is not None:
             rec["repeat_ok"], rec["sim_ok_held_out"] = floor
@@ -571,6 +620,7 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
     for r in runs:
         r["calls_gb_s"] = run_calls_gb_s(physical, r)
         r["placed_gb_s"] = placed_gb_s(cost, r)
+        r["machine_gb_s"], r["calls_gflops"] = run_calls_machine(physical, r)
     if not app.real_runs:  # fresh runs join this machine's history, for later calibrations' profiles
         from engine.model.loader import config_fingerprint  # here: this process runs no model itself
 
@@ -587,6 +637,7 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
                                 "attempt": r["attempt"], "contended": r["contended"], "reason": r["reason"],
                                 "memory_gb_s": r["memory_gb_s"], "weights_gb_s": r.get("weights_gb_s"),
                                 "calls_gb_s": r["calls_gb_s"], "placed_gb_s": r["placed_gb_s"],
+                                "machine_gb_s": r["machine_gb_s"], "calls_gflops": r["calls_gflops"],
                                 "others_cores": r["others_cores"],
                                 **{m: float(read(r["metrics"])) for m, read, _ in METRICS}} for r in runs]
                               ).to_csv(out_dir / "real_runs.csv", index=False)
@@ -602,7 +653,8 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
         calls_m = replicate_metrics(cost_row, row, mine[0]["replay"], app.bands.calls_noise, app.bands.seed, CALLS_ONLY)
         moves = row_moves(cost_row, row, mine[0]["replay"], sim_m, app.sensitivity) if app.sensitivity else None
         records += compare_row(row, mine, sim_m, rep_m, tolerance, calibration_gb_s, noise.describe(), moves,
-                               weights_read_gb_s(cost.info) or math.nan, app.run_bandwidth, calls_m)
+                               weights_read_gb_s(cost.info) or math.nan, app.run_bandwidth, calls_m,
+                               ttft_per_request_error(cost_row, row, mine))
         used = counted(mine)
         print(f"  {row.name:14s} {row.scheduler.name:10s} cap={row.scheduler.max_num_seqs}: real "
               f"{statistics.median(r['metrics']['output_throughput_tok_s'] for r in used):.2f} (median of {len(used)}) "
@@ -686,6 +738,18 @@ def coverage(df: pd.DataFrame, kind: str = "band") -> float:
     return float(has[f"{kind}_hits"].sum() / has.real_runs.sum())
 
 
+def per_request_summary(df: pd.DataFrame, within: float = 0.05) -> str:
+    """The summary's clause on ttft_per_request_error ("" where no row has one)."""
+    if "ttft_per_request_error" not in df:
+        return ""
+    errs = df[df.metric == "ttft_p50"].ttft_per_request_error.dropna().abs()
+    if errs.empty:
+        return ""
+    return (f"; TTFT request by request (each real run against a simulation of its own arrivals): "
+            f"median |error| {errs.median():.1%}, {int((errs <= within).sum())}/{len(errs)} rows within "
+            f"{within:.0%} (ttft_per_request_error)")
+
+
 def ill_conditioned(df: pd.DataFrame) -> int:
     """Comparisons whose simulation moves past their metric's tolerance with a small change of the
     machine's speed (``sim_moves``): a miss there says more about the metric than the simulator."""
@@ -714,6 +778,7 @@ def main(cfg) -> None:
           + (f"; {ill_conditioned(df)} comparisons move past their tolerance when every call is "
              f"{app.sensitivity:.0%} slower or faster (sim_moves), {ill_conditioned(df[~df.ok])} of those that miss"
              if "sim_moves" in df else "")
+          + per_request_summary(df)
           + f"; wrote {out_dir / 'validation.csv'}")
 
 

@@ -73,14 +73,24 @@ def physical_model(shape=None, machine=Machine(40.0, 400.0)) -> PhysicalCostMode
     return PhysicalCostModel(tuple(coef), shape or PhysicalShape.of(model_shape(Q05), "bfloat16"), machine, 1e-3)
 
 
+def general(cost: PhysicalCostModel, plan: BatchPlan) -> float:
+    """A call's seconds as the fit defines them: coefficients times the plan's feature row."""
+    return sum(c * x for c, x in zip(cost.coefficients, physical_features(plan, cost.shape, cost.machine)))
+
+
 def test_decodes_are_linear_in_context_and_match_predict():
+    """predict takes a shortcut for decodes-only calls (decode_cost_terms, cached per count): it
+    must give what the feature row gives, as a mixed call's does."""
     cost = physical_model()
     plan = BatchPlan.of("t", ["a", "b", "c"], (1, 1, 1), (5, 50, 500), (True,) * 3, 3)
+    assert cost.predict(plan) == pytest.approx(general(cost, plan))
+    longer = BatchPlan.of("t", ["a", "b", "c"], (1, 1, 1), (5, 50, 1500), (True,) * 3, 3)
     fixed, per = cost.decode_cost_terms(3)
-    assert cost.predict(plan) == pytest.approx(fixed + per * 555)
+    assert per > 0 and general(cost, longer) - general(cost, plan) == pytest.approx(per * 1000)
+    assert cost.predict(longer) == pytest.approx(general(cost, longer))
+    assert fixed + per * 1555 == pytest.approx(general(cost, longer))
     mixed = BatchPlan.of("t", ["a", "b"], (1, 7), (5, 0), (True, True), 1)
-    assert cost.predict(mixed) == pytest.approx(sum(
-        c * x for c, x in zip(cost.coefficients, physical_features(mixed, cost.shape, cost.machine))))
+    assert cost.predict(mixed) == pytest.approx(general(cost, mixed))
 
 
 def test_what_if_bandwidth_scales_memory_bound_calls_only():
@@ -263,5 +273,5 @@ def test_validate_places_a_run_by_its_weights_stamp_over_the_calibrations():
     assert row_cost(cost, [placed], True, "weights").machine.memory_gb_s == pytest.approx(36.0)
     assert row_cost(cost, [placed], True, "calls").machine.memory_gb_s == 10.0  # run_bandwidth=calls
     assert row_cost(cost, [{**run, "placed_gb_s": None}], True, "weights").machine.memory_gb_s == 10.0  # no stamp
-    with pytest.raises(ValueError, match="run_bandwidth must be weights or calls"):
+    with pytest.raises(ValueError, match="run_bandwidth must be one of weights, calls, machine"):
         ValidateApp(run_bandwidth="stamps")
