@@ -375,18 +375,26 @@ def test_the_other_blocks_edge_knots_follow_their_neighbours():
 def test_a_calibration_times_the_edges_of_its_own_machines_passes():
     from calibration.calibrate import with_pass_edges
     from calibration.cost_model import pass_edges
-    from engine.model.kernels import dispatch
 
     full = GRID_SPECS["full"]
     assert with_pass_edges(full, 8).edge_chunks == (24, 25, 32, 33, 40, 41, 48, 49, 56, 57, 64, 65)
     assert with_pass_edges(full, 6).edge_chunks == (18, 19, 24, 25, 30, 31, 36, 37, 42, 43, 48, 49, 54, 55, 60, 61)
     assert with_pass_edges(full, None) == full and set(pass_edges()) == set(pass_edges((6,)) + pass_edges((8,)))
-    # the engine says its block where its products past 16 rows run on the gemv, as this CPU builds it
+
+
+@pytest.mark.parametrize("force", ["linear=gemv", "linear=onednn", "linear=torch"])
+def test_the_runner_says_the_gemvs_pass_rows_only_where_its_products_run_on_it(force, monkeypatch):
+    """The block a calibration times the edges of (above): the gemv's register block as the CPU is
+    masked (8 rows with AVX-512, 6 with AVX2 alone); None on oneDNN or F.linear, whose blocking
+    the engine does not know. Forced, so each answer is checked on this machine whatever its
+    measured table picks."""
+    from tests.test_model_runner import force_dispatch
+
+    forced = force_dispatch(monkeypatch, force)
     runner = make_runner(ModelConfig(name="tiny", device="cpu"), 2, 64)
-    lean = runner._lean
-    on_gemv = lean is not None and lean.gemv is not None and any(
-        dispatch.choice_for_rows(lean.choices, r) == "gemv" for r in range(17, 66))
-    assert runner.pass_rows == ((8 if "avx512" in cpu_features() else 6) if on_gemv else None)
+    assert set(runner._lean.choices) == {forced}
+    block = 8 if "avx512" in cpu_features() else 6  # the CPU as MINISERVE_CPU_FEATURES masks it
+    assert runner.pass_rows == (block if forced == "gemv" else None)
 
 
 def test_a_call_timed_in_a_slow_spell_is_put_at_the_usual_bandwidth_by_its_memory_bound_share():

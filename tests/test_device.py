@@ -93,7 +93,7 @@ def test_cpu_timer_measures_wall_time():
     timer = dev.DeviceTimer("cpu")
     timer.start()
     time.sleep(0.05)
-    assert 0.05 <= timer.stop() < 0.5
+    assert 0.05 <= timer.stop() < 30  # the sleep at least; the bound only catches a unit slip (ms, ns)
 
 
 def test_cuda_timer_waits_for_its_end_event_and_reads_device_time(monkeypatch):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from engine.core.config import SchedulerConfig
 from engine.core.engine_core import EngineCore
 from engine.core.plan import BatchPlan, StepResult
-from engine.core.request import Request
+from engine.core.request import Request, RequestStatus
 from tests.helpers import create_requests
 from tests.test_scheduler import CONFIGS, LENGTHS
 
@@ -85,13 +85,22 @@ def test_every_request_is_freed_exactly_once_after_its_last_call(config, lengths
         assert n == 1 + sum(p.preempted_ids.count(rid) for p in executor.plans)
 
 
-def test_an_abort_is_freed_by_the_next_launch_and_never_scheduled_again():
-    config = SchedulerConfig(name="continuous", max_num_seqs=4)
-    core, executor = run(config, create_requests(4), repeat=True, abort="r1")
+@pytest.mark.parametrize("name", ["continuous", "static", "serial"])
+@pytest.mark.parametrize("victim", ["r0", "r3"])
+def test_an_abort_is_freed_by_the_next_launch_and_never_scheduled_again(name, victim):
+    """Under every policy, after the third step: r0 (4 tokens) still runs under each; r3 runs
+    under continuous and static (one group of 4) and waits under serial. run() checks the
+    invariants after every step."""
+    config = SchedulerConfig(name=name, max_num_seqs=4)
+    core, executor = run(config, create_requests(4), repeat=True, abort=victim)
     plans_after = executor.plans[3:]
-    assert executor.freed.count("r1") == 1 and all("r1" not in p.request_ids for p in plans_after)
-    assert executor.freed.index("r1") < len(executor.freed) - 3  # freed at once, not with the last finishes
-    assert {r.request_id for r in core.state.finished} == {"r0", "r1", "r2", "r3"}
+    assert executor.freed.count(victim) == 1 and all(victim not in p.request_ids for p in plans_after)
+    assert executor.freed.index(victim) < len(executor.freed) - 3  # freed at once, not with the last finishes
+    done = {r.request_id: r for r in core.state.finished}
+    assert set(done) == {"r0", "r1", "r2", "r3"} and done[victim].status == RequestStatus.FINISHED_ABORTED
+    assert done[victim].num_output_tokens == (0 if (name, victim) == ("serial", "r3") else 3)  # one per step
+    assert all(r.num_output_tokens == r.max_tokens for rid, r in done.items() if rid != victim)
+    assert core.state.kv.num_free == config.num_kv_blocks and not core.state.kv.held
 
 
 def test_a_plans_counted_decodes_are_listed_only_while_its_step_is_in_flight():

@@ -206,7 +206,7 @@ def _case(x, w, bias=None, n=None, k=None):
 @needs("gemv", torch.float32)
 @pytest.mark.parametrize("make, message", [
     (lambda: _case(torch.randn(0, 8), torch.randn(4, 8)), "at least one row, got 0"),
-    (lambda: _case(torch.randn(0, 8), torch.randn(4, 8)), "at least one row, got 0"),
+    (lambda: (*_case(torch.randn(1, 8), torch.randn(4, 8)), 4), "row_block must be a multiple of 8, got 4"),
     (lambda: _case(torch.randn(1, 8), torch.randn(4, 8).bfloat16()), "the panels are BFloat16"),
     (lambda: _case(torch.randn(8, 2).T, torch.randn(4, 8)), "contiguous"),
     (lambda: _case(torch.randn(1, 8), torch.randn(4, 9)), "x has 8 columns, the panels were packed for 9"),

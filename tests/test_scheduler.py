@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from engine.core.config import SchedulerConfig
 from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import ContinuousScheduler, make_scheduler
+from engine.core.scheduler import ContinuousScheduler, PlanBuilder, make_scheduler
 from engine.core.state import ServingState
 from tests.helpers import create_requests, drain
 
@@ -66,8 +66,11 @@ def test_continuous_refills_and_keeps_the_batch_full():
             assert plan.num_requests == 8
         steps += 1
         st_.apply(plan, None, steps, steps)
-    # Call count the plan sequence implies: 1 prefill step, then each step retires or refills.
-    assert steps == len(plans) == 28
+    # Call count the plan sequence implies. Steps from 1; a request admitted at step s with n output
+    # tokens ends at step s + n - 1 (its prefill samples the first), and its seat refills the step
+    # after. Outputs cycle 4, 16, 8, 12: r0, r4 end at 4 (r8, r9 in at 5); r2, r6 and r8 at 8 (r10-r12
+    # in at 9); r3, r7 and r12 at 12 (r13-r15 in at 13); the last, r13 (16 tokens), ends at 12 + 16.
+    assert steps == len(plans) == 12 + 16
     assert plans[0].label == "miniserve.continuous.step active=8 decode=0 prefill=8 tokens=96"
     assert plans[4].label == "miniserve.continuous.step active=8 decode=6 prefill=2 tokens=30"
     mixed = [p for p in plans if p.phase == "mixed"]
@@ -118,6 +121,58 @@ def test_kv_exhaustion_preempts_the_newest_and_recomputes():
     assert all(r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 8 for r in state.finished)
     assert sum(r.num_preemptions for r in state.finished) == len(preempted)
     assert state.kv.num_free == 6
+
+
+def test_a_step_that_preempts_admits_nothing():
+    """As vLLM: the blocks a preemption frees go to the running requests that were short of them,
+    not to a request admitted in the same step (the victim itself, back at the head of the queue,
+    would take them at once). Chunks of 8 leave room to admit: without the rule it would."""
+    config = SchedulerConfig(name="continuous", max_num_seqs=4, num_kv_blocks=8, block_size=4,
+                             max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    state, scheduler = ServingState(config), make_scheduler(config)
+    for r in create_requests(4, prompt_len=8, outputs=(16,)):
+        state.add(r)
+    preempting, t = 0, 0.0
+    while state.has_unfinished:
+        running_before = {r.request_id for r in state.running}
+        plan = scheduler.schedule(state)
+        if plan.preempted_ids:
+            preempting += 1
+            assert set(plan.request_ids) <= running_before - set(plan.preempted_ids), plan.label
+        t += 1
+        state.apply(plan, None, t, t)
+        state.check_invariants()
+    assert preempting, "the pool is too small for everyone: someone must be preempted"
+    assert sorted(r.num_output_tokens for r in state.finished) == [16] * 4
+
+
+def test_a_preempted_chunk_gives_its_tokens_back_to_the_step():
+    """PlanBuilder's rule for any policy (the continuous one plans chunks oldest first, so its
+    victims have no chunk planned yet): preempting a request whose chunk is already in the step
+    takes the chunk out and gives its tokens back to the budget, which the step then spends on the
+    work still there, within max_num_batched_tokens."""
+    config = SchedulerConfig(name="continuous", max_num_seqs=4, num_kv_blocks=4, block_size=4,
+                             max_num_batched_tokens=16, long_prefill_token_threshold=16)
+    state = ServingState(config)
+    old, mid, new = (Request(rid, list(range(2, 2 + n)), 4) for rid, n in (("old", 12), ("mid", 8), ("new", 8)))
+    for r in (old, mid, new):  # running in this order: "new" is the newest
+        state.add(r)
+        state.admit(r)
+    step = PlanBuilder(state, config.max_num_batched_tokens)
+    assert step.reserve(new, 8)
+    step.add_prefill(new, 8)  # 2 of the 4 blocks, 8 of the 16 tokens
+    assert step.reserve(old, 12)  # 3 blocks, 2 free: the newest goes, its planned chunk with it
+    assert step.preempted == ["new"] and step.budget == config.max_num_batched_tokens
+    step.add_prefill(old, 12)
+    assert step.budget == 4 and step.reserve(mid, 4)  # what is left only because "new"'s 8 came back
+    step.add_prefill(mid, 4)
+    plan = step.build("continuous")
+    assert (plan.request_ids, plan.num_tokens, plan.preempted_ids) == (("old", "mid"), (12, 4), ("new",))
+    assert plan.total_tokens == config.max_num_batched_tokens
+    state.apply(plan, None, 0.0, 1.0)
+    state.check_invariants()
+    assert state.waiting[0] is new and new.num_computed_tokens == 0 and "new" not in state.kv.held
+    assert (old.num_output_tokens, mid.num_computed_tokens) == (1, 4)
 
 
 def test_scheduler_never_runs_a_request_past_its_blocks():
@@ -250,3 +305,32 @@ def test_abort_frees_blocks_and_forgets_the_request():
     assert by_id["r2"].num_output_tokens == by_id["r2"].max_tokens == len(by_id["r2"].token_times_s)
     assert by_id["r2"].token_times_s[:2] == [1.0, 3.0]
     assert by_id["r0"].num_output_tokens == 1 and state.kv.num_free == config.num_kv_blocks
+
+
+@pytest.mark.parametrize("name", ["continuous", "static", "serial"])
+def test_an_abort_mid_call_and_one_in_the_queue_free_everything_under_every_policy(name):
+    """Between a plan and its apply (the client leaves while the call runs) the last request the
+    plan runs is aborted, and with it the last one waiting: the step applies without it, neither
+    is scheduled again, the others finish whole and every KV block is free at the end."""
+    config = SchedulerConfig(name=name, max_num_seqs=4)
+    state, scheduler = ServingState(config), make_scheduler(config)
+    for r in create_requests(6):
+        state.add(r)
+    aborted, t = [], 0.0
+    while state.has_unfinished:
+        plan = scheduler.schedule(state)
+        ids = plan.request_ids
+        assert not set(ids) & set(aborted)
+        if t == 1.0:  # the second step: every policy has a request in the call and one waiting
+            aborted = [ids[-1], state.waiting[-1].request_id]
+            for rid in aborted:
+                assert state.abort(rid, t + 0.5).status == RequestStatus.FINISHED_ABORTED
+        state.apply(plan, None, t, t + 1.0)
+        state.check_invariants()
+        assert not set(aborted) & (set(state.kv.held) | set(state.requests))
+        t += 1.0
+    assert len(aborted) == 2 and state.kv.num_free == config.num_kv_blocks and not state.kv.held
+    done = {r.request_id: r for r in state.finished}
+    assert len(done) == 6 and {rid for rid, r in done.items() if r.status == RequestStatus.FINISHED_ABORTED} \
+        == set(aborted)
+    assert all(r.num_output_tokens == r.max_tokens for rid, r in done.items() if rid not in aborted)

@@ -132,6 +132,20 @@ def test_check_limits_blames_the_right_field(ids, max_tokens, param):
     check_limits([1] * 5, 5, vocab_size=50, max_model_len=10, kv_capacity_tokens=64)
 
 
+def test_a_kv_pool_smaller_than_the_context_is_the_limit():
+    """A request must fit the KV pool as well as the model's context: 20 + 20 tokens fit
+    max_model_len=100 but not 32 tokens of KV, and are refused before acceptance naming 32."""
+    limits = {"vocab_size": 50, "max_model_len": 100, "kv_capacity_tokens": 32}
+    with pytest.raises(ApiError) as err:
+        check_limits([1] * 20, 20, **limits)
+    assert (err.value.status, err.value.param) == (400, "max_tokens")
+    assert "(32 tokens)" in err.value.message and "at most 12" in err.value.message
+    with pytest.raises(ApiError) as err:
+        check_limits([1] * 40, 1, **limits)
+    assert err.value.param == "prompt" and "max_model_len=32" in err.value.message
+    assert check_limits([1] * 20, 12, **limits) == 12 and check_limits([1] * 20, None, **limits) == 12
+
+
 def test_a_chat_max_completion_tokens_past_the_context_is_blamed_by_its_own_name():
     params = parse_chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                          "max_completion_tokens": 10 ** 9})
@@ -142,6 +156,34 @@ def test_a_chat_max_completion_tokens_past_the_context_is_blamed_by_its_own_name
     assert err.value.param == "max_completion_tokens" and err.value.message.startswith("max_completion_tokens")
     plain = parse_chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert (plain.max_tokens, plain.max_tokens_field) == (2, "max_tokens")
+
+
+def test_tokenize_and_detokenize_round_trip_and_refuse_bad_bodies_by_field():
+    """vLLM's routes on the tiny model's byte-level tokenizer: a text is one id per UTF-8 byte (the
+    same byte, the same id), and those ids decode back to it; a bad body is a 400 naming its
+    field, not a 500."""
+    def build() -> Engine:
+        engine = Engine(SchedulerConfig(max_num_seqs=2), TINY)
+        engine.warmup()
+        return engine
+
+    thread = EngineThread(build, max_waiting=8)
+    text = "naïve 中 ok"
+    with TestClient(create_app(thread, "tiny"), base_url="http://127.0.0.1") as client:
+        assert thread.ready.wait(60)
+        tokens = client.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+        utf8 = text.encode()
+        assert tokens["count"] == len(tokens["tokens"]) == len(utf8)
+        assert len(set(zip(utf8, tokens["tokens"]))) == len(set(utf8)) == len(set(tokens["tokens"]))
+        assert tokens["max_model_len"] == client.get("/v1/models/tiny").json()["max_model_len"]
+        assert client.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": text}
+        vocab = client.get("/v1/models/tiny").json()["vocab_size"]
+        for path, body, param in [("/tokenize", {"prompt": text, "add_special_tokens": "no"}, "add_special_tokens"),
+                                  ("/tokenize", {"prompt": [104]}, "prompt"),
+                                  ("/detokenize", {"tokens": "104"}, "tokens"),
+                                  ("/detokenize", {"tokens": [104, vocab]}, "tokens")]:
+            resp = client.post(path, json=body)
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (path, body, resp.text)
 
 
 def test_metrics_count_prefix_cache_queries_and_hits_under_vllms_names():

@@ -81,6 +81,23 @@ def test_unsupported_or_invalid_parameters_get_400_naming_them(field, value):
     assert err.value.status == 400 and err.value.param.split(".")[0] == field and field in err.value.message
 
 
+@pytest.mark.parametrize("parse,body,param", [
+    ("tokenize", {"prompt": "hi", "add_special_tokens": "yes"}, "add_special_tokens"),
+    ("tokenize", {"prompt": "hi", "add_special_tokens": 1}, "add_special_tokens"),  # JSON's 1 is not true
+    ("tokenize", {"prompt": [104, 105]}, "prompt"),  # /tokenize takes text; ids are already tokens
+    ("tokenize", {}, "prompt"),
+    ("detokenize", {"tokens": "104 105"}, "tokens"),
+    ("detokenize", {"tokens": [104, 1.5]}, "tokens"),
+    ("detokenize", {"tokens": [104, True]}, "tokens"),  # a bool is an int to Python, not to JSON
+    ("detokenize", {"tokens": [104, 512]}, "tokens"),  # the vocabulary is [0, 512)
+    ("detokenize", {"tokens": [-1]}, "tokens"),
+])
+def test_tokenize_and_detokenize_refuse_bad_bodies_with_400_naming_the_field(parse, body, param):
+    with pytest.raises(ApiError) as err:
+        protocol.parse_tokenize(body) if parse == "tokenize" else protocol.parse_detokenize(body, 512)
+    assert err.value.status == 400 and err.value.param == param and err.value.message.startswith(param)
+
+
 def test_chat_refuses_tools_and_non_text_parts():
     for body, param in [({"tools": [{"type": "function"}]}, "tools"),
                         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),

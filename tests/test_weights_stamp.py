@@ -14,26 +14,25 @@ from calibration.cost_model import weights_read_gb_s  # noqa: E402
 from calibration.report import SLOW_PLACEMENT, weights_line  # noqa: E402
 from engine.core.config import ModelConfig, SchedulerConfig  # noqa: E402
 from engine.model.runner import ModelRunner  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def runner():
-    return ModelRunner(ModelConfig(name="tiny", num_threads=1, device="cpu"), SchedulerConfig(max_num_seqs=2))
+from tests.test_model_runner import force_dispatch  # noqa: E402
 
 
 @pytest.mark.parametrize("choice", ["gemv", "torch", "onednn"])
-def test_decode_weights_are_the_copies_a_one_row_call_reads(runner, monkeypatch, choice):
-    """gemv: every projection's panels; F.linear: its plain weight where one was kept; oneDNN's
-    packed copies are opaque: nothing (the stamp is then None, not a guess)."""
+def test_decode_weights_are_the_copies_a_one_row_call_reads(monkeypatch, choice):
+    """gemv: every projection's panels; F.linear: its plain weight; oneDNN's packed copies are
+    opaque: nothing (the stamp is then None, not a guess). Each linear forced, so each runner holds
+    that candidate's layout alone and its branch runs whatever the measured table picks here."""
+    force_dispatch(monkeypatch, f"linear={choice}")
+    runner = ModelRunner(ModelConfig(name="tiny", num_threads=1, device="cpu"), SchedulerConfig(max_num_seqs=2))
     lean = runner._lean
-    monkeypatch.setattr(lean, "_by_rows", [choice] * len(lean._by_rows))
+    assert set(lean.choices) == {choice}
     got = [w.data_ptr() for w in runner.decode_weights()]
-    if choice == "gemv" and "gemv" in lean.choices:
+    if choice == "gemv":
         assert got == [p.panels.data.data_ptr() for p in lean.projections]
-    elif choice == "torch" and "torch" in lean.choices:
+    elif choice == "torch":
         assert got == [p.plain.data_ptr() for p in lean.projections]
     else:
-        assert got == []
+        assert got == [] and all(p.packed is not None for p in lean.projections)
 
 
 def test_generic_runner_stamps_its_linears_and_a_gpu_nothing(monkeypatch):
