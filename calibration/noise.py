@@ -232,14 +232,17 @@ def calls_machine(physical, calls: Sequence[tuple[object, float]]) -> tuple[floa
     memory = [c for c, m, f in zip(calls, memory_part, compute_part) if f <= m]
     if len(compute) < MIN_GROUP_CALLS or len(memory) < MIN_GROUP_CALLS:
         return calls_gb_s(physical, calls), None
-    gb_s: float | None = physical.memory_read_gb_s
-    gflops: float | None = physical.machine.matmul_gflops
-    for _ in range(6):  # each group moves mostly with its own limit: a few turns settle both
+    gflops = physical.machine.matmul_gflops
+    for _ in range(20):  # each group moves mostly with its own limit: a few turns settle both
         gb_s = _total_fit(lambda b, f=gflops: physical.with_machine(memory_gb_s=b, matmul_gflops=f), memory, 1.0, 1e4)
-        gflops = None if gb_s is None else _total_fit(
+        fitted = None if gb_s is None else _total_fit(
             lambda f, b=gb_s: physical.with_machine(memory_gb_s=b, matmul_gflops=f), compute, 1.0, 1e6)
-        if gflops is None:  # a group no limit in range prices: the bandwidth alone, as calls_gb_s
+        if fitted is None:  # a group no limit in range prices: the bandwidth alone, as calls_gb_s
             return calls_gb_s(physical, calls), None
+        settled = abs(math.log(fitted / gflops)) < 1e-3
+        gflops = fitted
+        if settled:  # the bandwidth was fitted at this rate, to the bisection's 0.1%
+            break
     return gb_s, gflops
 
 

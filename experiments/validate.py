@@ -379,14 +379,18 @@ def row_cost(cost: AnyCostModel, runs: list[dict], use_run_bandwidth: bool,
     bandwidth (one number per run, fitted to its calls' total time) throughput under it is no
     independent test, but when and with whom each request is scheduled (TTFT, the batches) still
     is; the weights' stamps leave both. ``source`` "machine" also prices the compute-bound terms
-    at the median matmul rate the runs' calls saw (``calls_gflops``; the calibration's where no
-    run fitted one): then the prefills' total is no test either, but each request's wait is."""
+    at the median matmul rate the runs' calls saw (``calls_gflops``): then the prefills' total is
+    no test either, but each request's wait is. Where a run fitted no matmul rate, its bandwidth
+    is its calls' over all of them (slow cores read as slow memory there), so the row is priced
+    as ``calls`` then, not at one run's matmul rate over the others' bandwidths."""
     if not use_run_bandwidth:
         return cost
+    used = counted(runs)
+    if source == "machine" and any(r.get("calls_gflops") is None for r in used):
+        source = "calls"
     priced = at_run_bandwidth(cost, runs_gb_s(runs, source))
-    gflops = [r["calls_gflops"] for r in counted(runs) if r.get("calls_gflops") is not None]
-    if source == "machine" and gflops and isinstance(priced, PhysicalCostModel):
-        return priced.with_machine(matmul_gflops=statistics.median(gflops))
+    if source == "machine" and isinstance(priced, PhysicalCostModel):
+        return priced.with_machine(matmul_gflops=statistics.median(r["calls_gflops"] for r in used))
     return priced
 
 
@@ -493,23 +497,26 @@ def simulate_replay(cost: AnyCostModel, row: Row, replay: list[tuple], time_scal
     return with_trace(sim.metrics(), sim.trace_calls(), row.scheduler.max_num_seqs)
 
 
-def ttft_per_request_error(cost: AnyCostModel, row: Row, runs: list[dict]) -> float:
+def ttft_per_request_error(cost: AnyCostModel, row: Row, runs: list[dict], use_run_bandwidth: bool = False,
+                           source: str = "calls") -> float:
     """How far the simulation puts each request's TTFT: every counted real run against a
     simulation of its own arrivals, request by request (sim / real − 1), the median over its
     requests, then over the runs. A row's TTFT p50 over two dozen requests can sit in a gap between
     two modes (an arrival that meets a step under way waits for it, one that does not goes straight
     in), where a few milliseconds move the order statistic by tens of percent; paired by request,
-    the comparison does not depend on which side of the gap the median lands. NaN for runs from
-    before real_runs.json kept each request's first token."""
+    the comparison does not depend on which side of the gap the median lands. With
+    ``use_run_bandwidth`` each run is priced at its own machine (row_cost of that run alone), not
+    the row's median. NaN for runs from before real_runs.json kept each request's first token."""
     per_run = []
     for run in counted(runs):
         if not run.get("first_tokens"):
             continue
         requests = replay_requests(run["replay"], row.scheduler.enable_prefix_caching)
-        sim = simulate(requests, row.scheduler, lambda: CostModelExecutor(cost), keep_steps=True)
-        simulated = {r.request_id: r.token_times_s[0] - r.arrival_s for r in sim.records}
+        priced = row_cost(cost, [run], use_run_bandwidth, source)
+        sim = simulate(requests, row.scheduler, lambda: CostModelExecutor(priced), keep_steps=True)
+        simulated = {r.request_id: r.ttft_s for r in sim.records}
         errors = [simulated[rid] / (first - arrival) - 1 for rid, arrival, _, first in run["first_tokens"]
-                  if first > arrival and rid in simulated]
+                  if first > arrival and math.isfinite(simulated.get(rid, math.nan))]
         if errors:
             per_run.append(statistics.median(errors))
     return statistics.median(per_run) if per_run else math.nan
@@ -548,7 +555,7 @@ def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict]
                 calls_noise_m: Sequence[dict] = (), ttft_request_error: float = math.nan) -> list[dict]:
     """validation.csv's records of one row, one per metric; with ``calls_noise_m`` (replicates
     with the calls' own noise only), their median and whether it passes, beside the deterministic
-    simulation's; ``ttft_request_error`` (ttft_per_request_error) on the row's TTFT records."""
+    simulation's; ``ttft_request_error`` (ttft_per_request_error) on the row's TTFT p50 record."""
     used = counted(runs)
     seen_gb_s = runs_gb_s(runs, source)
     weights = [r["weights_gb_s"] for r in used if r.get("weights_gb_s") is not None]  # none in older real_runs
@@ -572,7 +579,7 @@ def compare_row(row: Row, runs: list[dict], sim_m: dict, replicate_m: list[dict]
                # the runs' and the calibration's own decode weights' read rates (MemoryStamp)
                "weights_gb_s": statistics.median(weights) if weights else math.nan,
                "calibration_weights_gb_s": calibration_weights_gb_s, "_real": real}
-        if metric.startswith("ttft"):
+        if metric == "ttft_p50":
             rec["ttft_per_request_error"] = ttft_request_error
         floor = repeat_floor(sim, real, tolerance[kind], absolute)
         if floor is not None:
@@ -654,7 +661,7 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
         moves = row_moves(cost_row, row, mine[0]["replay"], sim_m, app.sensitivity) if app.sensitivity else None
         records += compare_row(row, mine, sim_m, rep_m, tolerance, calibration_gb_s, noise.describe(), moves,
                                weights_read_gb_s(cost.info) or math.nan, app.run_bandwidth, calls_m,
-                               ttft_per_request_error(cost_row, row, mine))
+                               ttft_per_request_error(cost, row, mine, app.use_run_bandwidth, app.run_bandwidth))
         used = counted(mine)
         print(f"  {row.name:14s} {row.scheduler.name:10s} cap={row.scheduler.max_num_seqs}: real "
               f"{statistics.median(r['metrics']['output_throughput_tok_s'] for r in used):.2f} (median of {len(used)}) "
