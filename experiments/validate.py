@@ -84,7 +84,7 @@ from experiments.report_table import format_table
 from experiments.schema import register, to_object
 from sim.bands import BAND_METRICS, CALLS_ONLY, band, check_counts, conformal_band, inside, replicates, width
 from sim.run import load_cost_model, saturation_rate
-from sim.simulator import simulate
+from sim.simulator import SimResult, simulate
 from sim.executors import CostModelExecutor, physical_model
 
 log = logging.getLogger(__name__)
@@ -490,10 +490,15 @@ def replay_requests(replay: list[tuple], prefix_caching: bool = False) -> list[R
     return [Request(rid, ids, o, arrival_s=a) for rid, a, p, o, ids in replay]
 
 
+def replay_simulation(cost: AnyCostModel, row: Row, replay: list[tuple], time_scale: float = 1.0) -> SimResult:
+    """The deterministic simulation of a real run's arrivals and lengths (real_runs.json's ``replay``)."""
+    requests = replay_requests(replay, row.scheduler.enable_prefix_caching)
+    return simulate(requests, row.scheduler, lambda: CostModelExecutor(cost, time_scale), keep_steps=True)
+
+
 def simulate_replay(cost: AnyCostModel, row: Row, replay: list[tuple], time_scale: float = 1.0) -> dict:
     """The deterministic simulation of a row's replay: its metrics, with the trace's."""
-    requests = replay_requests(replay, row.scheduler.enable_prefix_caching)
-    sim = simulate(requests, row.scheduler, lambda: CostModelExecutor(cost, time_scale), keep_steps=True)
+    sim = replay_simulation(cost, row, replay, time_scale)
     return with_trace(sim.metrics(), sim.trace_calls(), row.scheduler.max_num_seqs)
 
 
@@ -511,9 +516,7 @@ def ttft_per_request_error(cost: AnyCostModel, row: Row, runs: list[dict], use_r
     for run in counted(runs):
         if not run.get("first_tokens"):
             continue
-        requests = replay_requests(run["replay"], row.scheduler.enable_prefix_caching)
-        priced = row_cost(cost, [run], use_run_bandwidth, source)
-        sim = simulate(requests, row.scheduler, lambda: CostModelExecutor(priced), keep_steps=True)
+        sim = replay_simulation(row_cost(cost, [run], use_run_bandwidth, source), row, run["replay"])
         simulated = {r.request_id: r.ttft_s for r in sim.records}
         errors = [simulated[rid] / (first - arrival) - 1 for rid, arrival, _, first in run["first_tokens"]
                   if first > arrival and math.isfinite(simulated.get(rid, math.nan))]

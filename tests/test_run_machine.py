@@ -17,6 +17,11 @@ from sim.simulator import simulate
 from tests.test_physical import physical_model
 
 
+ROW = Row("burst", SchedulerConfig(name="continuous", max_num_seqs=4), WorkloadConfig())
+# eight requests 50 ms apart as real_runs.json keeps them: (id, arrival, prompt, output, prompt ids)
+REPLAY = [(f"r{i}", 0.05 * i, 12 + i, 3 + i % 4, list(range(i * 100, i * 100 + 12 + i))) for i in range(8)]
+
+
 def decode(b: int) -> BatchPlan:
     return BatchPlan.of("t", [f"q{j}" for j in range(b)], (1,) * b, (100,) * b, (True,) * b, b)
 
@@ -65,9 +70,7 @@ def test_ttft_per_request_error_pairs_each_request_with_its_simulation():
     """A real run that is the simulation itself is off by nothing; one whose every request waited 10%
     longer for its first token is off by 1/1.1 − 1 whatever its percentiles do; runs kept before
     the first tokens were give NaN."""
-    cost = physical_model(machine=Machine(40.0, 400.0))
-    row = Row("burst", SchedulerConfig(name="continuous", max_num_seqs=4), WorkloadConfig())
-    replay = [(f"r{i}", 0.05 * i, 12 + i, 3 + i % 4, list(range(i * 100, i * 100 + 12 + i))) for i in range(8)]
+    cost, row, replay = physical_model(machine=Machine(40.0, 400.0)), ROW, REPLAY
     sim = simulate(replay_requests(replay), row.scheduler, lambda: CostModelExecutor(cost), keep_steps=True)
     ttft = {r.request_id: r.token_times_s[0] - r.arrival_s for r in sim.records}
     assert len(set(round(t, 6) for t in ttft.values())) > 2  # requests waited differently
@@ -91,9 +94,7 @@ def test_ttft_per_request_error_pairs_each_request_with_its_simulation():
 def test_with_run_bandwidth_each_run_is_paired_with_a_simulation_at_its_own_machine():
     """Two runs at 20 and 40 GB/s, each exactly its own simulation at its bandwidth: priced run by run
     they are off by nothing; at the row's median (or the calibration's) bandwidth they are not."""
-    cost = physical_model(machine=Machine(40.0, 400.0))
-    row = Row("burst", SchedulerConfig(name="continuous", max_num_seqs=4), WorkloadConfig())
-    replay = [(f"r{i}", 0.05 * i, 12 + i, 3 + i % 4, list(range(i * 100, i * 100 + 12 + i))) for i in range(8)]
+    cost, row, replay = physical_model(machine=Machine(40.0, 400.0)), ROW, REPLAY
 
     def run(k, gb_s):
         at = cost.with_machine(memory_gb_s=gb_s)
