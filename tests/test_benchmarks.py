@@ -29,3 +29,24 @@ def test_roofline_calls_runs_and_prints_its_split_and_worst_ratios():
     assert "GB/s of weights" in proc.stdout  # the profiled split found the linears
     worst = [w for w in proc.stdout.split() if w.startswith("worst_meas_over_roofline_paired_float32=")]
     assert len(worst) == 1 and float(worst[0].split("=")[1]) > 0
+
+
+def test_engine_vs_hf_pairs_its_ratio_by_round():
+    """The headline ratio is the median of each round's own ratio (a spell lands on one round of
+    every system), and every system generates exactly the requested tokens in every round."""
+    proc = subprocess.run([sys.executable, "benchmarks/engine_vs_hf.py", "--model", "tiny", "--workloads", "seed",
+                           "--repeats", "3", "--systems", "engine CB,HF CB"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert sum(line.lstrip().startswith("round ") for line in lines) == 6  # 3 rounds of 2 systems
+    by_round = next(line for line in lines if "by round:" in line)
+    rounds = sorted(float(x) for x in by_round.split("by round:")[1].split(";")[0].split(","))
+    assert len(rounds) == 3
+    assert lines[-1] == f"engine_vs_hf_cb={rounds[1]:.2f}"
+
+
+def test_engine_vs_hf_refuses_zero_rounds():
+    proc = subprocess.run([sys.executable, "benchmarks/engine_vs_hf.py", "--model", "tiny", "--repeats", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--repeats" in proc.stderr
