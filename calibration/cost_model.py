@@ -257,6 +257,35 @@ def weights_read_gb_s(info: dict) -> float | None:
     return stamped_gb_s(info.get("weights_read_gb_s"))
 
 
+SLOW_PLACEMENT = 0.85  # the weights reading slower than this share of fresh memory: misplaced
+
+
+def slow_placement(info: dict) -> tuple[float, float] | None:
+    """(the weights' read rate, a fresh buffer's) where the calibrating process's own weights read
+    below SLOW_PLACEMENT of a fresh buffer of their dtype: they landed in slow memory for that
+    process's life, and its decode calls with them (docs/architecture.md). None where they did
+    not, or the profile cannot say (no weights stamp, or none of the fresh buffer)."""
+    weights = weights_read_gb_s(info)
+    fresh = (info.get("weights_read_gb_s") or {}).get("fresh")
+    if weights is None or not fresh or weights >= SLOW_PLACEMENT * fresh:
+        return None
+    return weights, fresh
+
+
+def slow_placement_warning(info: dict) -> str | None:
+    """A clear sentence for a profile measured by a process whose weights sat in slow memory: every
+    simulation priced by it is that much slow on decodes, and a validation against it flags its
+    real runs, so a user hears it before spending the runs (the calibration's report says it too)."""
+    slow = slow_placement(info)
+    if slow is None:
+        return None
+    weights, fresh = slow
+    return (f"the calibration profile's own weights read at {weights:.1f} GB/s against {fresh:.1f} for a fresh "
+            f"buffer of theirs ({100 * (1 - weights / fresh):.0f}% slower): the process that measured it had them "
+            "in slow memory, so its decode calls, and every simulation priced by it, are slower than a process "
+            "whose weights landed elsewhere; calibrate again (a new process)")
+
+
 class ProfileMismatchError(ValueError):
     """A calibration profile measured for another model, dtype or feature set."""
 

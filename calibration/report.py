@@ -6,10 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
-from calibration.cost_model import weights_read_gb_s
+from calibration.cost_model import slow_placement, weights_read_gb_s
 
 NOISY_SPREAD = 0.10  # a median repeat spread past this: the report says the errors are the machine's
-SLOW_PLACEMENT = 0.85  # the weights reading slower than this share of fresh memory: the report warns
 
 
 def _row(name: str, e: dict) -> str:
@@ -81,7 +80,7 @@ def weights_line(info: dict) -> str:
     if fresh is None:  # a profile stamped before the like-for-like buffer: no judgement
         return f"decode weights read at {weights:.1f} GB/s"
     line = f"decode weights read at {weights:.1f} GB/s, a fresh buffer of theirs at {fresh:.1f}"
-    if weights < SLOW_PLACEMENT * fresh:
+    if slow_placement(info):
         line += (f": the weights read {100 * (1 - weights / fresh):.0f}% slower than fresh memory, where they "
                  "landed for this process's life, and its decode calls, so this profile's predictions of "
                  "them, are slower than a process whose weights did not (calibrate again: a new process)")

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from calibration.cost_model import CostModel, ProfileMismatchError, other_device_warning
+from calibration.cost_model import CostModel, ProfileMismatchError, other_device_warning, slow_placement_warning
 from calibration.physical import AnyCostModel, PhysicalCostModel, WhatIf, load_profile_for
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.core.model_shape import config_fingerprint, model_shape
@@ -38,8 +38,9 @@ def load_cost_model(profile: str | None, model: ModelConfig | None = None, run_o
     physical model at other hardware limits; ``physical`` asks for the physical model in any case. Warns (log and ``cost.info["device_warning"]``) when the
     profile was measured on another device than the run it is compared with: ``run_on``
     (engine.model.device.here, from apps that run the model too), else an explicit ``model.device``.
-    ``model.dtype=auto`` takes the dtype the profile's own run chose. Torch-free: the simulator never
-    loads the model."""
+    ``model.dtype=auto`` takes the dtype the profile's own run chose. Warns too (log and
+    ``cost.info["placement_warning"]``) when the profile's own weights read slow
+    (calibration.cost_model.slow_placement). Torch-free: the simulator never loads the model."""
     if not profile:
         raise MissingProfileError(
             "no calibration profile: the simulator needs measured step costs. Run "
@@ -48,11 +49,16 @@ def load_cost_model(profile: str | None, model: ModelConfig | None = None, run_o
     if not Path(profile).is_file():
         raise MissingProfileError(f"calibration.profile={profile} does not exist (or is not a file)")
     try:
-        return _load_cost_model(profile, model, run_on, what_if, physical)
+        cost = _load_cost_model(profile, model, run_on, what_if, physical)
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ZeroDivisionError) as exc:
         raise ProfileMismatchError(f"calibration.profile={profile} is not a calibration profile this version can "
                                    f"read ({type(exc).__name__}: {exc}); run python -m experiments.calibrate for a "
                                    f"new one") from exc
+    placement = slow_placement_warning(cost.info)
+    if placement:
+        log.warning(placement)
+        cost.info["placement_warning"] = placement
+    return cost
 
 
 def _load_cost_model(profile: str, model: ModelConfig | None, run_on: dict | None, what_if: WhatIf,

@@ -10,8 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from calibration import roofline  # noqa: E402
-from calibration.cost_model import weights_read_gb_s  # noqa: E402
-from calibration.report import SLOW_PLACEMENT, weights_line  # noqa: E402
+from calibration.cost_model import SLOW_PLACEMENT, slow_placement_warning, weights_read_gb_s  # noqa: E402
+from calibration.report import weights_line  # noqa: E402
 from engine.core.config import ModelConfig, SchedulerConfig  # noqa: E402
 from engine.model.runner import ModelRunner  # noqa: E402
 from tests.test_model_runner import force_dispatch  # noqa: E402
@@ -82,6 +82,36 @@ def test_report_warns_where_the_weights_read_slow():
     assert "not stamped" in weights_line(_info(20.0, None))
     unjudged = weights_line(_info(None, 14.0))  # stamped before the like-for-like buffer: no judgement
     assert "14.0 GB/s" in unjudged and "slower" not in unjudged
+
+
+def test_a_profile_whose_weights_read_slow_is_warned_about_where_it_is_loaded(tmp_path, caplog):
+    """simulate, validate and seed load profiles through sim.run.load_cost_model: a profile whose own
+    process had its weights in slow memory is said to be slow before any run is spent on it (this
+    session's first calibration read 29.4 GB/s against 54.5 and every real run was flagged)."""
+    import json
+    import logging
+    from dataclasses import replace
+
+    from calibration.cost_model import FEATURES
+    from engine.model.loader import config_fingerprint
+    from sim.run import load_cost_model
+
+    assert slow_placement_warning(_info(20.0, 20.0 * SLOW_PLACEMENT + 0.1)) is None
+    assert slow_placement_warning(_info(None, 14.0)) is None and slow_placement_warning({}) is None
+    assert "30% slower" in slow_placement_warning(_info(20.0, 14.0))
+
+    model = ModelConfig(name="tiny", dtype="float32", device="cpu")
+    profile = tmp_path / "profile.json"
+    base = {"feature_names": list(FEATURES), "coefficients": [0.0] * len(FEATURES),
+            "fingerprint": config_fingerprint(replace(model, dtype="float32")),
+            "model": {"name": "tiny", "dtype": "float32"}}
+    profile.write_text(json.dumps(base | _info(54.5, 29.4)))
+    with caplog.at_level(logging.WARNING, logger="miniserve.sim"):
+        cost = load_cost_model(str(profile), model)
+    assert "46% slower" in cost.info["placement_warning"] and cost.info["placement_warning"] in caplog.text
+    assert "calibrate again" in cost.info["placement_warning"]
+    profile.write_text(json.dumps(base | _info(35.1, 50.5)))  # read faster than the fresh buffer: no warning
+    assert "placement_warning" not in load_cost_model(str(profile), model).info
 
 
 def test_validate_rows_carry_the_runs_weights_stamp():
