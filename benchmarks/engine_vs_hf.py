@@ -12,7 +12,7 @@ Workloads: the seed burst, and 32 requests (prompts lognormal ~256, outputs logn
 Each workload runs in ``--repeats`` rounds, every system once a round, so a spell of the shared host
 lands on one round's runs of every system rather than on one system's only run (a single long run
 once read 1.71 where the runs either side read 3.3-3.8). Throughput is each system's median; the
-ratio is the median over rounds of the round's own ratio, printed with its range.
+ratio is the median over rounds of the round's own ratio, printed with every round's value.
 
     flock /tmp/miniserve-bench.lock python benchmarks/engine_vs_hf.py [--dtype bfloat16] [--threads 2]
     # the ratio alone, in under half the time:
@@ -170,7 +170,7 @@ def main() -> None:
                 assert got == want, f"{name} generated {sum(got.values())} tokens, want {total}"
                 times[name].append(t)
                 outs[name] = out
-                print(f"  round {round_ + 1}: {name:14s} {t:8.2f} s", flush=True)
+                print(f"  round {round_ + 1}: {name:14s} {t:9.4f} s", flush=True)
         tok_s = {name: total / statistics.median(ts) for name, ts in times.items()}
         for name, ts in times.items():
             print(f"  {name:14s} {tok_s[name]:8.1f} output tok/s  (median {statistics.median(ts):.2f} s, "
@@ -180,8 +180,8 @@ def main() -> None:
             same = sum(outs[name][k] == ref[k] for k in ref)
             print(f"  greedy outputs identical to engine CB: {name:14s} {same}/{len(ref)} requests")
         pairs = [("engine CB", "HF CB"), ("engine CB", "HF generate"), ("engine static", "HF generate")]
-        print("  " + "   ".join(f"{a} / {b} = {tok_s[a] / tok_s[b]:.2f}" for a, b in pairs
-                               if a in tok_s and b in tok_s))
+        print("  by median tok/s: " + "   ".join(f"{a} / {b} = {tok_s[a] / tok_s[b]:.2f}" for a, b in pairs
+                                                if a in tok_s and b in tok_s))
         if "HF CB" in times:
             rounds = [hf_s / engine_s for engine_s, hf_s in zip(times["engine CB"], times["HF CB"])]
             ratio[wname] = statistics.median(rounds)

@@ -283,7 +283,8 @@ def slow_placement_warning(info: dict) -> str | None:
     return (f"the calibration profile's own weights read at {weights:.1f} GB/s against {fresh:.1f} for a fresh "
             f"buffer of theirs ({100 * (1 - weights / fresh):.0f}% slower): the process that measured it had them "
             "in slow memory, so its decode calls, and every simulation priced by it, are slower than a process "
-            "whose weights landed elsewhere; calibrate again (a new process)")
+            "whose weights landed elsewhere; calibrate again (a new process), or validate with "
+            "use_run_bandwidth=true, which prices each row by its runs' weights against these")
 
 
 class ProfileMismatchError(ValueError):

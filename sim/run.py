@@ -50,11 +50,11 @@ def load_cost_model(profile: str | None, model: ModelConfig | None = None, run_o
         raise MissingProfileError(f"calibration.profile={profile} does not exist (or is not a file)")
     try:
         cost = _load_cost_model(profile, model, run_on, what_if, physical)
+        placement = slow_placement_warning(cost.info)
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ZeroDivisionError) as exc:
         raise ProfileMismatchError(f"calibration.profile={profile} is not a calibration profile this version can "
                                    f"read ({type(exc).__name__}: {exc}); run python -m experiments.calibrate for a "
                                    f"new one") from exc
-    placement = slow_placement_warning(cost.info)
     if placement:
         log.warning(placement)
         cost.info["placement_warning"] = placement
