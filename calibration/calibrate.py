@@ -26,7 +26,7 @@ from calibration.noise import calibration_stamps, noise_report
 from calibration.profiler import (IDLE_SHAPES, IDLE_STEP_PROMPT, IDLE_STEPS, Measurement, Robustness, ShapePool,
                                   after_idle_sleep_s, at_bandwidth, execute_uncontended, idle_step_gap_s, make_runner,
                                   measure_after_idle, measure_engine_runs, measure_shapes, spread, threads_of)
-from calibration.roofline import (Machine, MemoryStamp, ModelShape, call_work, fresh_like_gb_s, measure_machine,
+from calibration.roofline import (Machine, MemoryStamp, ModelShape, call_work, measure_machine, placement_ratio,
                                   memory_read_gb_s, roofline_s, best_s, tensors_read_gb_s)
 from engine.core.config import ModelConfig
 from engine.core.model_shape import model_shape
@@ -263,7 +263,7 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
         pool.release()
         overhead, engine_calls = measure_engine_runs(runner, min(8, slots), cfg.overhead_runs, call_stamp)
         copy = measure_kv_copy(runner)
-    weights_fresh = fresh_like_gb_s(weights, runner.device)
+    placement = placement_ratio(weights, runner.device)  # the weights over a fresh buffer, back to back
     measurements, usual = at_usual_bandwidth(measurements + engine_calls, mshape, machine)
 
     heldout = split_heldout([m.shape.kind for m in measurements], cfg.heldout_fraction, cfg.seed)
@@ -313,7 +313,8 @@ def run_calibration(model_config: ModelConfig, cfg: CalibrationConfig) -> Calibr
         # calls with them (calibration.report warns); what real runs' weights are judged against is the
         # median of these stamps (cost_model.weights_read_gb_s)
         "weights_read_gb_s": {"before": memory.weights_before, "after": memory.weights_after,
-                              "rounds": mlog.round_weights_gb_s, "fresh": weights_fresh},
+                              "rounds": mlog.round_weights_gb_s, "fresh": placement[1] if placement else None,
+                              "placement": placement[0] if placement else None},
         "grid": {"name": cfg.grid, "spec": asdict(spec), "calls": len(plan.shapes), "budget": plan.to_dict(),
                  "engine_calls": sum(len(m.times_s) for m in engine_calls), "engine_shapes": len(engine_calls),
                  "repeats": cfg.repeats or spec.repeats, "warmup": cfg.warmup, "wall_s": wall,

@@ -260,16 +260,20 @@ def weights_read_gb_s(info: dict) -> float | None:
 SLOW_PLACEMENT = 0.85  # the weights reading slower than this share of fresh memory: misplaced
 
 
-def slow_placement(info: dict) -> tuple[float, float] | None:
-    """(the weights' read rate, a fresh buffer's) where the calibrating process's own weights read
-    below SLOW_PLACEMENT of a fresh buffer of their dtype: they landed in slow memory for that
-    process's life, and its decode calls with them (docs/architecture.md). None where they did
-    not, or the profile cannot say (no weights stamp, or none of the fresh buffer)."""
-    weights = weights_read_gb_s(info)
-    fresh = (info.get("weights_read_gb_s") or {}).get("fresh")
-    if weights is None or not fresh or weights >= SLOW_PLACEMENT * fresh:
-        return None
-    return weights, fresh
+def slow_placement(info: dict) -> float | None:
+    """The share of a fresh buffer's read rate the calibrating process's own weights read at, where
+    it is below SLOW_PLACEMENT: they landed in slow memory for that process's life, and its decode
+    calls with them (docs/architecture.md). Judged by reads of both back to back (``placement``,
+    calibration.roofline.placement_ratio); a profile from before that, by the weights' stamp over
+    the calibration against the fresh buffer's. None where they read well or it cannot say."""
+    stamp = info.get("weights_read_gb_s") or {}
+    ratio = stamp.get("placement")
+    if ratio is None:
+        weights, fresh = weights_read_gb_s(info), stamp.get("fresh")
+        if weights is None or not fresh:
+            return None
+        ratio = weights / fresh
+    return float(ratio) if ratio < SLOW_PLACEMENT else None
 
 
 def slow_placement_warning(info: dict) -> str | None:
@@ -279,12 +283,11 @@ def slow_placement_warning(info: dict) -> str | None:
     slow = slow_placement(info)
     if slow is None:
         return None
-    weights, fresh = slow
-    return (f"the calibration profile's own weights read at {weights:.1f} GB/s against {fresh:.1f} for a fresh "
-            f"buffer of theirs ({100 * (1 - weights / fresh):.0f}% slower): the process that measured it had them "
-            "in slow memory, so its decode calls, and every simulation priced by it, are slower than a process "
-            "whose weights landed elsewhere; calibrate again (a new process), or validate with "
-            "use_run_bandwidth=true, which prices each row by its runs' weights against these")
+    return (f"the calibration profile's own weights read {100 * (1 - slow):.0f}% slower than a fresh buffer of "
+            "theirs: the process that measured it had them in slow memory, so its decode calls, and every "
+            "simulation priced by it, are slower than a process whose weights landed elsewhere; calibrate again "
+            "(a new process), or validate with use_run_bandwidth=true, which prices each row by its runs' "
+            "weights against these")
 
 
 class ProfileMismatchError(ValueError):

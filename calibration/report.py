@@ -80,8 +80,12 @@ def weights_line(info: dict) -> str:
     if fresh is None:  # a profile stamped before the like-for-like buffer: no judgement
         return f"decode weights read at {weights:.1f} GB/s"
     line = f"decode weights read at {weights:.1f} GB/s, a fresh buffer of theirs at {fresh:.1f}"
-    if slow_placement(info):
-        line += (f": the weights read {100 * (1 - weights / fresh):.0f}% slower than fresh memory, where they "
+    paired = info["weights_read_gb_s"].get("placement")
+    if paired is not None:
+        line += f" ({paired:.2f}x of it, read back to back)"
+    slow = slow_placement(info)
+    if slow is not None:
+        line += (f": the weights read {100 * (1 - slow):.0f}% slower than fresh memory, where they "
                  "landed for this process's life, and its decode calls, so this profile's predictions of "
                  "them, are slower than a process whose weights did not (calibrate again: a new process)")
     return line

@@ -8,6 +8,7 @@ FLOPs = 2·dense params·tokens + 2·lm_head params·sampled rows + attention (Q
 from __future__ import annotations
 
 import mmap
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Union
@@ -152,6 +153,24 @@ def fresh_like_gb_s(tensors: Sequence[torch.Tensor], device: Device = "cpu") -> 
     like = tensors[0]
     fresh = torch.ones(MEMORY_STAMP_BYTES // like.element_size(), dtype=like.dtype, device=device)
     return tensors_read_gb_s([fresh], device=device)
+
+
+def placement_ratio(tensors: Sequence[torch.Tensor], device: Device = "cpu", pairs: int = 3
+                    ) -> tuple[float, float] | None:
+    """(these tensors' read rate over a fresh buffer's of their dtype, the fresh buffer's GB/s), each
+    ratio from a read of both back to back, the median of ``pairs``; None for none. Why paired:
+    placement is the process's for life, the host's bandwidth moves within seconds, and a weights
+    stamp over a whole calibration set against one fresh read at its end mixes the two (a
+    well-placed process once read 1.44× its fresh buffer that way; docs/architecture.md)."""
+    ratios, fresh = [], []
+    for _ in range(pairs):
+        own, new = tensors_read_gb_s(tensors, device=device), fresh_like_gb_s(tensors, device)
+        if own and new:
+            ratios.append(own / new)
+            fresh.append(new)
+    if not ratios:
+        return None
+    return float(statistics.median(ratios)), float(statistics.median(fresh))
 
 
 class MemoryStamp:

@@ -114,6 +114,28 @@ def test_a_profile_whose_weights_read_slow_is_warned_about_where_it_is_loaded(tm
     assert "placement_warning" not in load_cost_model(str(profile), model).info
 
 
+def test_placement_is_judged_by_reads_back_to_back_where_the_profile_has_them():
+    """The weights' stamp spans the whole calibration, the fresh buffer is read at its end: the
+    paired ratio, where a profile has it, decides either way; the report line shows it."""
+    slow_by_stamps = _info(20.0, 14.0)
+    slow_by_stamps["weights_read_gb_s"]["placement"] = 0.97  # the host moved between stamps and buffer
+    assert slow_placement_warning(slow_by_stamps) is None
+    assert "0.97x of it, read back to back" in weights_line(slow_by_stamps)
+    assert "slower" not in weights_line(slow_by_stamps)
+    fine_by_stamps = _info(35.1, 50.5)
+    fine_by_stamps["weights_read_gb_s"]["placement"] = 0.6
+    assert "40% slower" in slow_placement_warning(fine_by_stamps)
+    assert "40% slower than fresh memory" in weights_line(fine_by_stamps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_placement_ratio_reads_the_weights_beside_a_fresh_buffer(dtype):
+    weights = [torch.ones(1 << 20, dtype=dtype), torch.ones(1 << 19, dtype=dtype)]
+    ratio, fresh = roofline.placement_ratio(weights, pairs=2)
+    assert ratio > 0 and fresh > 0
+    assert roofline.placement_ratio([]) is None
+
+
 def test_validate_rows_carry_the_runs_weights_stamp():
     """validation.csv: the counted runs' median weights stamp beside the calibration's; runs saved
     before the stamp existed give NaN, not an error."""
