@@ -433,18 +433,15 @@ def runs_gb_s(runs: list[dict], source: str = "calls") -> float:
     return statistics.median(run_gb_s(r, source) for r in counted(runs))
 
 
-def run_calls_gb_s(physical: PhysicalCostModel | None, run: dict) -> float | None:
-    """The bandwidth a real run's calls saw (calibration.noise.calls_gb_s), from its recorded steps."""
+def run_call_limits(physical: PhysicalCostModel | None, run: dict
+                    ) -> tuple[float | None, float | None, float | None]:
+    """What a real run's calls saw, from its recorded steps (read once for both fits): the bandwidth
+    alone (calibration.noise.calls_gb_s), and the bandwidth and matmul rate
+    (calibration.noise.calls_machine); all None without a physical model."""
     if physical is None:
-        return None
-    return calls_gb_s(physical, [(st.plan, st.model_s) for st in recorded_steps(run)])
-
-
-def run_calls_machine(physical: PhysicalCostModel | None, run: dict) -> tuple[float | None, float | None]:
-    """The bandwidth and matmul rate a real run's calls saw (calibration.noise.calls_machine)."""
-    if physical is None:
-        return None, None
-    return calls_machine(physical, [(st.plan, st.model_s) for st in recorded_steps(run)])
+        return None, None, None
+    calls = [(st.plan, st.model_s) for st in recorded_steps(run)]
+    return (calls_gb_s(physical, calls), *calls_machine(physical, calls))
 
 
 def recorded_steps(run: dict) -> list[StepRecord]:
@@ -628,9 +625,8 @@ def run_validation(app: ValidateApp, out_dir: Path) -> pd.DataFrame:
     warn_other_kernels(cost, runs)
     physical = physical_model(cost)
     for r in runs:
-        r["calls_gb_s"] = run_calls_gb_s(physical, r)
+        r["calls_gb_s"], r["machine_gb_s"], r["calls_gflops"] = run_call_limits(physical, r)
         r["placed_gb_s"] = placed_gb_s(cost, r)
-        r["machine_gb_s"], r["calls_gflops"] = run_calls_machine(physical, r)
     if not app.real_runs:  # fresh runs join this machine's history, for later calibrations' profiles
         from engine.model.loader import config_fingerprint  # here: this process runs no model itself
 

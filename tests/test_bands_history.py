@@ -13,7 +13,7 @@ from calibration.physical import Machine, at_run_bandwidth
 from engine.core.config import SchedulerConfig
 from engine.core.plan import BatchPlan
 from engine.core.request import Request
-from experiments.validate import row_run_noise, run_calls_gb_s
+from experiments.validate import row_run_noise, run_call_limits
 from sim.bands import replicates
 from sim.executors import NoisyExecutor, cost_model_from
 from tests.test_physical import physical_model
@@ -155,8 +155,8 @@ def test_a_real_runs_call_bandwidth_comes_from_its_recorded_steps():
     steps = [("decode", 0.0, 1.0, at30.predict(BatchPlan.of("r", [f"q{j}" for j in range(b)], (1,) * b, (64,) * b,
                                                               (True,) * b, b)), [1] * b, [64] * b, [True] * b, b)
              for b in (1, 3, 6)]
-    assert run_calls_gb_s(phys, {"steps": steps}) == pytest.approx(30.0, rel=2e-3)
-    assert run_calls_gb_s(None, {"steps": steps}) is None
+    assert run_call_limits(phys, {"steps": steps})[0] == pytest.approx(30.0, rel=2e-3)
+    assert run_call_limits(None, {"steps": steps}) == (None, None, None)
 
 
 def test_the_machine_history_keeps_its_entries_and_ignores_another_machines_and_models(tmp_path, monkeypatch):
