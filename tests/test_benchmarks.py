@@ -58,3 +58,27 @@ def test_engine_vs_hf_refuses_zero_rounds():
     proc = subprocess.run([sys.executable, "benchmarks/engine_vs_hf.py", "--model", "tiny", "--repeats", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "--repeats" in proc.stderr
+
+
+def test_ridge_probe_runs_beside_the_gemv_or_says_why_not():
+    """The ridge loop needs AVX-512: where the CPU (as allowed) has it, the one-thread row prints the
+    loop and the gemv over the same weights and their ratio; elsewhere the benchmark says n/a."""
+    from engine.model.kernels.features import cpu_features
+
+    proc = subprocess.run([sys.executable, "benchmarks/ridge_probe.py", "--model", "tiny", "--dtypes", "float32",
+                           "--rows", "8", "--threads", "1", "--repeats", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    if "avx512" not in cpu_features():
+        assert "float32: n/a (the ridge loop needs avx512" in proc.stdout
+        return
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("float32 1 thread,  8 rows:"))
+    assert "ridge" in line and "gemv" in line
+    ratio = [w for w in proc.stdout.split() if w.startswith("gemv_over_ridge_float32_1t_8r=")]
+    assert len(ratio) == 1 and float(ratio[0].split("=")[1]) > 0
+
+
+def test_ridge_probe_refuses_rows_it_has_no_loop_for():
+    proc = subprocess.run([sys.executable, "benchmarks/ridge_probe.py", "--model", "tiny", "--rows", "3"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--rows" in proc.stderr

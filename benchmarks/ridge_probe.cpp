@@ -1,0 +1,108 @@
+// The ridge probe for benchmarks/ridge_probe.py: a stream of weights read once, each 64-byte vector
+// multiplied into `rows` rows' accumulators by FMAs (bf16: AVX512-BF16 dot products) with the
+// multiplier in a register: the arithmetic of a `rows`-row product and its weight stream, with
+// nothing else (no x loads, no panels' sums to store, no calls). What it reaches is this machine's
+// own limit for a product that needs its memory and its arithmetic at once.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+namespace {
+
+template <int M>
+__attribute__((target("avx512f,fma"))) float stream_f32(const float* p, int64_t steps) {
+  __m512 a0[M], a1[M];
+  for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+  const __m512 x = _mm512_set1_ps(1.0f);
+  for (int64_t k = 0; k < steps; ++k) {  // a step: 128 bytes, two vectors
+    const __m512 w0 = _mm512_loadu_ps(p + k * 32), w1 = _mm512_loadu_ps(p + k * 32 + 16);
+    for (int m = 0; m < M; ++m) {
+      a0[m] = _mm512_fmadd_ps(w0, x, a0[m]);
+      a1[m] = _mm512_fmadd_ps(w1, x, a1[m]);
+    }
+  }
+  __m512 s = _mm512_setzero_ps();
+  for (int m = 0; m < M; ++m) s = _mm512_add_ps(s, _mm512_add_ps(a0[m], a1[m]));
+  return _mm512_reduce_add_ps(s);
+}
+
+template <int M>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) float stream_bf16(const uint16_t* p, int64_t steps) {
+  __m512 a0[M], a1[M];
+  for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+  const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80);  // (1.0, 1.0) in bf16
+  for (int64_t k = 0; k < steps; ++k) {  // a step: 128 bytes, two vectors of 16 pairs
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p + k * 64), w1 = (__m512bh)_mm512_loadu_si512(p + k * 64 + 32);
+    for (int m = 0; m < M; ++m) {
+      a0[m] = _mm512_dpbf16_ps(a0[m], w0, x);
+      a1[m] = _mm512_dpbf16_ps(a1[m], w1, x);
+    }
+  }
+  __m512 s = _mm512_setzero_ps();
+  for (int m = 0; m < M; ++m) s = _mm512_add_ps(s, _mm512_add_ps(a0[m], a1[m]));
+  return _mm512_reduce_add_ps(s);
+}
+
+template <typename T, typename Fn>
+float stream_rows(const T* p, int64_t steps, int64_t rows, Fn&& fn) {
+  switch (rows) {
+    case 1: return fn(std::integral_constant<int, 1>{}, p, steps);
+    case 8: return fn(std::integral_constant<int, 8>{}, p, steps);
+    default: return fn(std::integral_constant<int, 16>{}, p, steps);
+  }
+}
+
+}  // namespace
+
+// chunks: the weights (fp32 or bf16, each a whole number of 128-byte steps read), streamed as one
+// sequence, each thread a contiguous share; rows: 1, 8 or 16. Returns the sums (so nothing is
+// optimised away).
+double stream_fma(const std::vector<at::Tensor>& chunks, int64_t rows) {
+  TORCH_CHECK(rows == 1 || rows == 8 || rows == 16, "ridge probe: rows must be 1, 8 or 16, got ", rows);
+  TORCH_CHECK(!chunks.empty(), "ridge probe: no weights");
+  const bool bf16 = chunks[0].scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 ? __builtin_cpu_supports("avx512bf16") : __builtin_cpu_supports("avx512f"),
+              "ridge probe: needs AVX-512 (bf16: AVX512-BF16)");
+  std::vector<int64_t> steps;
+  int64_t total = 0;
+  for (const auto& c : chunks) {
+    TORCH_CHECK(c.is_contiguous() && c.scalar_type() == chunks[0].scalar_type(), "ridge probe: contiguous, one dtype");
+    steps.push_back(c.numel() * c.element_size() / 128);
+    total += steps.back();
+  }
+  const int64_t threads = std::max(1, at::get_num_threads());
+  std::vector<double> sums(threads, 0.0);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t lo = total * t / threads, hi = total * (t + 1) / threads;
+      int64_t at = 0;
+      for (size_t i = 0; i < chunks.size(); at += steps[i], ++i) {
+        const int64_t a = std::max(lo, at), b = std::min(hi, at + steps[i]);
+        if (a >= b) continue;
+        const char* base = static_cast<const char*>(chunks[i].data_ptr()) + (a - at) * 128;
+        sums[t] += bf16 ? stream_rows(reinterpret_cast<const uint16_t*>(base), b - a, rows,
+                                      [](auto m, auto p, auto n) { return stream_bf16<decltype(m)::value>(p, n); })
+                        : stream_rows(reinterpret_cast<const float*>(base), b - a, rows,
+                                      [](auto m, auto p, auto n) { return stream_f32<decltype(m)::value>(p, n); });
+      }
+    }
+  });
+  double s = 0;
+  for (double v : sums) s += v;
+  return s;
+}
+
+#else
+double stream_fma(const std::vector<at::Tensor>&, int64_t) {
+  TORCH_CHECK(false, "ridge probe: needs an x86-64 CPU with AVX-512");
+  return 0;
+}
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("stream_fma", &stream_fma); }
