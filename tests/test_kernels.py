@@ -8,6 +8,9 @@ set the engine sees (``MINISERVE_CPU_FEATURES``), so the suite passes as-is on a
 mask; ``MINISERVE_KERNELS=0`` turns them all off, and the build tests then expect None."""
 
 import os
+import re
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -247,6 +250,22 @@ def test_how_the_weights_are_asked_for_changes_no_value(dtype, rows, k, n, seed)
                + [kernels.GemvTuning(stream_rows=n) for n in dispatch.STREAM_ROWS])
     for tuning in tunings:
         assert torch.equal(gemv(x, panels, None, 64, 256, tuning), base)
+
+
+@pytest.mark.skipif(not (ON and shutil.which("objdump")), reason="reads the built kernels with objdump (binutils)")
+def test_the_gemv_asks_for_its_stream_into_l2_when_told():
+    """The "into L2" tunings must issue prefetcht1: GCC 12 compiled _mm_prefetch(p, _MM_HINT_T1) to
+    nothing once inlined into the vector loops, so dispatch.py timed "16 KiB into L2" as no prefetch
+    at all. No value can show it (a prefetch changes none): the built library's code does."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lib = Path(_get_build_directory(kernels.NAME, verbose=False)) / f"{kernels.NAME}.so"
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", str(lib)], capture_output=True, text=True,
+                         check=True).stdout
+    loops = [f for f in asm.split("\n\n") if re.search(r"^[0-9a-f]+ <[^>]*(panel_f32|panel_bf16|run_panels)", f, re.M)]
+    assert loops, "no gemv loop found in the library"
+    with_l2 = [f.splitlines()[0] for f in loops if "prefetcht1" in f]
+    assert with_l2, "no gemv loop issues prefetcht1: the 'into L2' tunings would not prefetch"
 
 
 # the CPU's flags (as masked) and a Linux that grants the process the tiles

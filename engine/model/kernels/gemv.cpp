@@ -87,11 +87,14 @@ struct Prefetch {
 };
 constexpr int64_t kStepBytes = 128;
 
-// SSE's prefetch: every x86-64 CPU has it, so both the AVX-512 and the AVX2 loops inline it
+// SSE's prefetch: every x86-64 CPU has it, so both the AVX-512 and the AVX2 loops inline it. The
+// L2 form is written as the instruction itself: GCC 12 compiled _mm_prefetch(p, _MM_HINT_T1) here
+// to nothing once inlined into the kernels (a bare `if (to_l2) skip`), so every "into L2" tuning
+// ran without software prefetch at all. The address goes in a register, not as a memory operand:
+// that one made GCC keep the kernels' accumulators in memory around it.
 inline void prefetch_step(const char* p, bool to_l2 = false) {
   if (to_l2) {
-    _mm_prefetch(p, _MM_HINT_T1);
-    _mm_prefetch(p + 64, _MM_HINT_T1);
+    asm volatile("prefetcht1 (%0)\n\tprefetcht1 64(%0)" ::"r"(p));
   } else {
     _mm_prefetch(p, _MM_HINT_T0);
     _mm_prefetch(p + 64, _MM_HINT_T0);
