@@ -263,27 +263,44 @@ def test_the_gemv_tuning_takes_each_row_counts_fastest_distance_apart(monkeypatc
         def gemv(self, rows, tuning):
             calls.append((rows, tuning))
 
-    best = {1: "2048,0", 8: "16384,1", 12: "16", 16: "12"}
-    slow = {16: {"16": 1.5}}  # at 16 rows a sweep of 16 loses a little to 12's blocks, not enough to matter
+    # 8 rows on all threads: 16 KiB into L2 fastest, 32 KiB into L2 5% behind; on one thread 32 KiB
+    # fastest and 16 KiB 50% behind: the summed ratios choose 32 KiB (1.05 + 1 against 1 + 1.5)
+    best = {1: "2048,0", 8: "16384,1", (8, 1): "32768,1", 12: "16", 16: "12"}
+    slow = {16: {"16": 1.5}, 8: {"32768,1": 1.05}, (8, 1): {"16384,1": 1.5}}
+    threads_seen = []
 
     def fastest(fns, repeats):
         for fn in fns.values():
             fn()
         rows = calls[-1][0]
-        return {name: (1.0 if name == best[rows] else slow.get(rows, {}).get(name, 3.0)) for name in fns}
+        threads_seen.append((rows, torch.get_num_threads()))
+        at = (rows, 1) if rows == 8 and torch.get_num_threads() == 1 else rows
+        return {name: (1.0 if name == best[at] else slow.get(at, {}).get(name, 3.0)) for name in fns}
 
     monkeypatch.setattr(dispatch, "_fastest_alternating", fastest)
     monkeypatch.setattr(dispatch, "cpu_features", lambda: frozenset({"avx2", "avx512"}))
-    tuning, timings = dispatch.tune_gemv(torch.float32, Probe())
-    assert tuning == GemvTuning(prefetch_one=2048, prefetch_one_l2=False, prefetch=16384, prefetch_l2=True,
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tuning, timings = dispatch.tune_gemv(torch.float32, Probe())
+        assert torch.get_num_threads() == 2  # given back after the one-thread timings
+    finally:
+        torch.set_num_threads(threads)
+    assert tuning == GemvTuning(prefetch_one=2048, prefetch_one_l2=False, prefetch=32768, prefetch_l2=True,
                                 stream_rows=16)  # summed ratios: 16 rows 1 + 1.5, 12 rows 3 + 1, 8 rows 3 + 3
+    assert threads_seen == [(1, 2), (8, 2), (8, 1), (12, 2), (16, 2)]
     assert set(timings["1"]) == {f"{d},{int(l2)}" for d, l2 in dispatch.PREFETCH_ONE}
-    assert set(timings["8"]) == {f"{d},{int(l2)}" for d, l2 in dispatch.PREFETCH}
+    assert set(timings["8"]) == set(timings[dispatch.ONE_THREAD]) == {f"{d},{int(l2)}" for d, l2 in dispatch.PREFETCH}
     assert set(timings["12"]) == set(timings["16"]) == {str(n) for n in dispatch.STREAM_ROWS}
     assert {rows for rows, _ in calls} == {1, 8, 12, 16} and all(t.amx_rows == 0 for _, t in calls)  # the vector loop
-    assert all(t.prefetch == 16384 and t.prefetch_one == 2048 for rows, t in calls if rows >= 12)
+    assert all(t.prefetch == 32768 and t.prefetch_one == 2048 for rows, t in calls if rows >= 12)
 
     calls.clear()  # an AVX2-only CPU: its loop takes 6 rows a sweep whatever the tuning says, so none timed
     monkeypatch.setattr(dispatch, "cpu_features", lambda: frozenset({"avx2"}))
-    tuning, timings = dispatch.tune_gemv(torch.float32, Probe())
+    torch.set_num_threads(1)  # one thread: its 8 rows are timed once, and decide alone
+    try:
+        tuning, timings = dispatch.tune_gemv(torch.float32, Probe())
+    finally:
+        torch.set_num_threads(threads)
     assert tuning.stream_rows == GemvTuning().stream_rows and set(timings) == {"1", "8"}
+    assert tuning.prefetch == 32768 and tuning.prefetch_l2  # that one timing's best (here the one-thread table's)

@@ -14,7 +14,7 @@ dispatches to the faster:
   AMX a bf16 chunk attends faster in SDPA, on the tiles, and decodes in the kernel);
 - the gemv's own tuning (``kernels.GemvTuning``): how far ahead, into L1 or L2, it asks for its
   weight stream at one row (``PREFETCH_ONE``'s candidates, timed at 1 row) and at more
-  (``PREFETCH``'s, timed at 8 rows), up to how many rows one sweep of the weights takes them all
+  (``PREFETCH``'s, timed at 8 rows on all threads and on one), up to how many rows one sweep of the weights takes them all
   (``STREAM_ROWS``, timed at 12 and 16 rows) and, for bf16 on a CPU with AMX, from which row class
   its tiles beat its vector loop (``fold_amx``).
 
@@ -61,7 +61,8 @@ ROW_CLASSES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # row and at more: the distances that won on the CPUs measured so far (docs/architecture.md), timed
 # against each other on this one
 PREFETCH_ONE = ((0, False), (1 << 10, False), (2 << 10, False), (8 << 10, False), (32 << 10, True))
-PREFETCH = ((2 << 10, False), (4 << 10, False), (16 << 10, False), (16 << 10, True))
+PREFETCH = ((2 << 10, False), (4 << 10, False), (16 << 10, False), (16 << 10, True), (32 << 10, True))
+ONE_THREAD = "8, one thread"  # tune_gemv's timings of PREFETCH at 8 rows on one thread
 # up to how many rows the gemv sweeps the weights once for all rows (past that: 8-row passes over
 # blocks of K in cache): 16 rows' sums fill every AVX-512 register, so the compiler spills
 STREAM_ROWS = (8, 12, 16)
@@ -71,7 +72,7 @@ STREAM_ROWS = (8, 12, 16)
 PROBE_LAYER = ((1152, 896), (896, 896), (9728, 896), (896, 4864))
 PROBE_BYTES = (64 << 20, 512 << 20)  # the probe: twice the last-level cache within these, rounded up to a layer
 FORCE_ENV = "MINISERVE_DISPATCH"
-VERSION = 7  # bump when what is measured or how it is chosen changes
+VERSION = 8  # bump when what is measured or how it is chosen changes
 log = logging.getLogger("miniserve.dispatch")
 
 
@@ -311,32 +312,48 @@ class ProbeWeights:
 @torch.inference_mode()
 def tune_gemv(dtype: torch.dtype, probe: ProbeWeights, repeats: int = 5) -> tuple[GemvTuning, dict]:
     """The gemv's fastest weight stream here, on its vector loop (the tiles' row count is chosen
-    after): ``PREFETCH_ONE``'s distance timed at 1 row, ``PREFETCH``'s at 8, then ``STREAM_ROWS``
-    at 12 and 16 rows (the least summed time against each row count's best), with the seconds
-    that chose them (per row count, per ``"distance,l2"`` or ``"stream_rows"``)."""
+    after): ``PREFETCH_ONE``'s distance timed at 1 row, ``PREFETCH``'s at 8 rows on all threads and
+    on one (the least summed time against each one's best), then ``STREAM_ROWS`` at 12 and 16 rows
+    (the same), with the seconds that chose them (per row count, and ``ONE_THREAD``, per
+    ``"distance,l2"`` or ``"stream_rows"``).
+
+    Why 8 rows on one thread too: there a product needs its weights and its arithmetic at once (one
+    core's stream reads at most its share of the bandwidth while it multiplies at a core's full
+    rate), as 8 rows do on all threads only in a fast memory spell, and that is where how far ahead
+    the stream is asked for decides the most (one Zen 4: 16-32 KiB into L2 96% of the matmul
+    probe, 4 KiB into L1 83%; docs/architecture.md). Timed on all threads alone in a slow spell every
+    candidate waits on memory, and the one chosen then can lose 15% in the next fast one."""
     timings: dict[str, dict[str, float]] = {}
 
-    def fastest(rows: int, tunings: dict[str, GemvTuning]) -> dict[str, float]:
+    def fastest(rows: int, tunings: dict[str, GemvTuning], key: str | None = None) -> dict[str, float]:
         xs = probe.inputs(rows)
-        timings[str(rows)] = t = _fastest_alternating(
+        timings[key or str(rows)] = t = _fastest_alternating(
             {name: (lambda tuning=tuning: probe.gemv(xs, tuning)) for name, tuning in tunings.items()}, repeats)
         return t
+
+    def least_summed(tunings: dict[str, GemvTuning], *runs: dict[str, float]) -> GemvTuning:
+        score = {name: sum(t[name] / min(t.values()) for t in runs) for name in tunings}
+        return tunings[min(score, key=score.get)]
 
     one = {f"{d},{int(l2)}": GemvTuning(prefetch_one=d, prefetch_one_l2=l2) for d, l2 in PREFETCH_ONE}
     t = fastest(1, one)
     tuning = one[min(t, key=t.get)]
     several = {f"{d},{int(l2)}": replace(tuning, prefetch=d, prefetch_l2=l2) for d, l2 in PREFETCH}
+    threads = torch.get_num_threads()
     t = fastest(8, several)
-    tuning = several[min(t, key=t.get)]
+    if threads > 1:
+        torch.set_num_threads(1)
+        try:
+            t1 = fastest(8, several, ONE_THREAD)
+        finally:
+            torch.set_num_threads(threads)
+        tuning = least_summed(several, t, t1)
+    else:
+        tuning = least_summed(several, t)
     if "avx512" not in cpu_features():  # the AVX2 loop's sweeps take 6 rows whatever stream_rows says
         return tuning, timings
     sweeps = {str(n): replace(tuning, stream_rows=n) for n in STREAM_ROWS}
-    score = dict.fromkeys(sweeps, 0.0)
-    for rows in (12, 16):
-        t = fastest(rows, sweeps)
-        for name in sweeps:
-            score[name] += t[name] / min(t.values())
-    return sweeps[min(score, key=score.get)], timings
+    return least_summed(sweeps, *(fastest(rows, sweeps) for rows in (12, 16))), timings
 
 
 @torch.inference_mode()
