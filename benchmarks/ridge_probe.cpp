@@ -17,8 +17,8 @@ namespace {
 
 template <int M>
 __attribute__((target("avx512f,fma"))) float stream_f32(const float* p, int64_t steps) {
-  __m512 a0[M], a1[M];
-  for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+  __m512 a0[M], a1[M];  // each row's sums start apart, so no compiler may fold the rows into one
+  for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_set1_ps(static_cast<float>(m));
   const __m512 x = _mm512_set1_ps(1.0f);
   for (int64_t k = 0; k < steps; ++k) {  // a step: 128 bytes, two vectors
     const __m512 w0 = _mm512_loadu_ps(p + k * 32), w1 = _mm512_loadu_ps(p + k * 32 + 16);
@@ -34,8 +34,8 @@ __attribute__((target("avx512f,fma"))) float stream_f32(const float* p, int64_t 
 
 template <int M>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) float stream_bf16(const uint16_t* p, int64_t steps) {
-  __m512 a0[M], a1[M];
-  for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+  __m512 a0[M], a1[M];  // as stream_f32's
+  for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_set1_ps(static_cast<float>(m));
   const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80);  // (1.0, 1.0) in bf16
   for (int64_t k = 0; k < steps; ++k) {  // a step: 128 bytes, two vectors of 16 pairs
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p + k * 64), w1 = (__m512bh)_mm512_loadu_si512(p + k * 64 + 32);

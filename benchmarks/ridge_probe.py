@@ -57,9 +57,12 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     if any(r not in (1, 8, 16) for r in rows_list) or args.repeats < 1:
         ap.error("--rows from 1, 8, 16; --repeats at least 1")
+    unknown = [d for d in args.dtypes.split(",") if d not in NEEDS]
+    if unknown:
+        ap.error(f"--dtypes from {', '.join(NEEDS)}; got {', '.join(unknown)}")
     features = cpu_features()
     probe_mod = None
-    worst = {}
+    ratios = {}
     for d in args.dtypes.split(","):
         if NEEDS[d] not in features:
             print(f"{d}: n/a (the ridge loop needs {NEEDS[d]}; this CPU, as allowed, has {sorted(features)})")
@@ -108,10 +111,10 @@ def main() -> None:
                     line += (f"; {name} {1e3 * s:7.1f} ms {flops / s / 1e9:5.0f} GFLOP/s "
                              f"({flops / s / m['peak']:4.0%}) {nbytes / s / 1e9:4.1f} GB/s")
                 print(line + f"; gemv/ridge {ratio:.2f}", flush=True)
-                worst[f"gemv_over_ridge_{d}_{threads}t_{rows}r"] = ratio
+                ratios[f"gemv_over_ridge_{d}_{threads}t_{rows}r"] = ratio
             memory.close()
         del runner
-    print("\n" + " ".join(f"{k}={v:.3f}" for k, v in worst.items()))
+    print("\n" + " ".join(f"{k}={v:.3f}" for k, v in ratios.items()))
 
 
 if __name__ == "__main__":

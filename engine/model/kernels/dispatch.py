@@ -313,7 +313,7 @@ class ProbeWeights:
 def tune_gemv(dtype: torch.dtype, probe: ProbeWeights, repeats: int = 5) -> tuple[GemvTuning, dict]:
     """The gemv's fastest weight stream here, on its vector loop (the tiles' row count is chosen
     after): ``PREFETCH_ONE``'s distance timed at 1 row, ``PREFETCH``'s at 8 rows on all threads and
-    on one (the least summed time against each one's best), then ``STREAM_ROWS`` at 12 and 16 rows
+    on one (the least summed ratio to each one's best), then ``STREAM_ROWS`` at 12 and 16 rows
     (the same), with the seconds that chose them (per row count, and ``ONE_THREAD``, per
     ``"distance,l2"`` or ``"stream_rows"``).
 

@@ -88,8 +88,9 @@ struct Prefetch {
 constexpr int64_t kStepBytes = 128;
 
 // SSE's prefetch: every x86-64 CPU has it, so both the AVX-512 and the AVX2 loops inline it. The
-// L2 form is written as the instruction itself: GCC 12 compiled _mm_prefetch(p, _MM_HINT_T1) here
-// to nothing once inlined into the kernels (a bare `if (to_l2) skip`), so every "into L2" tuning
+// L2 form is written as the instruction itself: GCC 12 compiled _mm_prefetch(p, _MM_HINT_T1) in this
+// branch to nothing once inlined into the kernels (a bare `if (to_l2) skip`; called straight, as the
+// attention kernel and the tiles' next-panel requests do, it compiles), so every "into L2" tuning
 // ran without software prefetch at all. The address goes in a register, not as a memory operand:
 // that one made GCC keep the kernels' accumulators in memory around it.
 inline void prefetch_step(const char* p, bool to_l2 = false) {
