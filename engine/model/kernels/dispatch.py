@@ -61,7 +61,7 @@ ROW_CLASSES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # row and at more: the distances that won on the CPUs measured so far (docs/architecture.md), timed
 # against each other on this one
 PREFETCH_ONE = ((0, False), (1 << 10, False), (2 << 10, False), (8 << 10, False), (32 << 10, True))
-PREFETCH = ((2 << 10, False), (4 << 10, False), (16 << 10, False), (16 << 10, True), (32 << 10, True))
+PREFETCH = ((2 << 10, False), (4 << 10, False), (16 << 10, False), (8 << 10, True), (16 << 10, True), (32 << 10, True))
 ONE_THREAD = "8, one thread"  # tune_gemv's timings of PREFETCH at 8 rows on one thread
 # up to how many rows the gemv sweeps the weights once for all rows (past that: 8-row passes over
 # blocks of K in cache): 16 rows' sums fill every AVX-512 register, so the compiler spills
@@ -72,7 +72,7 @@ STREAM_ROWS = (8, 12, 16)
 PROBE_LAYER = ((1152, 896), (896, 896), (9728, 896), (896, 4864))
 PROBE_BYTES = (64 << 20, 512 << 20)  # the probe: twice the last-level cache within these, rounded up to a layer
 FORCE_ENV = "MINISERVE_DISPATCH"
-VERSION = 8  # bump when what is measured or how it is chosen changes
+VERSION = 9  # bump when what is measured or how it is chosen changes
 log = logging.getLogger("miniserve.dispatch")
 
 
