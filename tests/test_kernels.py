@@ -264,12 +264,11 @@ def test_the_gemv_asks_for_its_stream_into_l2_when_told():
     lib = Path(_get_build_directory(kernels.NAME, verbose=False)) / f"{kernels.NAME}.so"
     asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", str(lib)], capture_output=True, text=True,
                          check=True).stdout
-    functions = [f for f in asm.split("\n\n") if re.match(r"[0-9a-f]+ <", f)]
+    functions = [(f.splitlines()[0], f) for f in asm.split("\n\n") if re.match(r"[0-9a-f]+ <", f)]
 
     def vector_loops(kind: str, element: str) -> list[str]:  # the AVX-512 one-sweep loops, inlined or not
-        return [f for f in functions if "avx2" not in f.splitlines()[0] and "_amx" not in f.splitlines()[0]
-                and (f"{kind}<" in f.splitlines()[0] or ("run_panels<" in f.splitlines()[0]
-                                                           and element in f.splitlines()[0]))]
+        return [f for head, f in functions if "avx2" not in head and "_amx" not in head
+                and (f"{kind}<" in head or ("run_panels<" in head and element in head))]
 
     for kind, element in (("panel_f32", "float"), ("panel_bf16", "unsigned short")):
         loops = vector_loops(kind, element)

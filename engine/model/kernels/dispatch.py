@@ -340,16 +340,14 @@ def tune_gemv(dtype: torch.dtype, probe: ProbeWeights, repeats: int = 5) -> tupl
     tuning = one[min(t, key=t.get)]
     several = {f"{d},{int(l2)}": replace(tuning, prefetch=d, prefetch_l2=l2) for d, l2 in PREFETCH}
     threads = torch.get_num_threads()
-    t = fastest(8, several)
+    runs = [fastest(8, several)]
     if threads > 1:
         torch.set_num_threads(1)
         try:
-            t1 = fastest(8, several, ONE_THREAD)
+            runs.append(fastest(8, several, ONE_THREAD))
         finally:
             torch.set_num_threads(threads)
-        tuning = least_summed(several, t, t1)
-    else:
-        tuning = least_summed(several, t)
+    tuning = least_summed(several, *runs)
     if "avx512" not in cpu_features():  # the AVX2 loop's sweeps take 6 rows whatever stream_rows says
         return tuning, timings
     sweeps = {str(n): replace(tuning, stream_rows=n) for n in STREAM_ROWS}
