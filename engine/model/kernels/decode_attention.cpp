@@ -359,8 +359,8 @@ MINISERVE_TARGET_AVX2 void softmax_rows_avx2(float* scores, int64_t L, int G, fl
       sum = _mm256_add_ps(sum, e);
     }
     if (body < L) {  // masked lanes load as 0: their e^(0 - max) is cleared before the sum
-      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(load8(s + body, tail), mx)), _mm256_castsi256_ps(tail));
-      store8(s + body, e, tail);
+      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(load8(s + body, L - body), mx)), _mm256_castsi256_ps(tail));
+      store8(s + body, e, L - body);
       sum = _mm256_add_ps(sum, e);
     }
     inv_sum[g] = 1.0f / reduce_add8(sum);

@@ -165,7 +165,7 @@ MINISERVE_TARGET_AVX2 void add_rms_norm_rows_avx2(float* h, const float* delta, 
     float* hr = h + r * n;
     __m256 ss = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += 8) {
-      const __m256i m = lanes8(n - i);
+      const int64_t m = n - i;
       __m256 v = load8(hr + i, m);
       if (delta) {
         v = _mm256_add_ps(v, load8(delta + r * n + i, m));
@@ -175,7 +175,7 @@ MINISERVE_TARGET_AVX2 void add_rms_norm_rows_avx2(float* h, const float* delta, 
     }
     const float inv = 1.0f / std::sqrt(reduce_add8(ss) / static_cast<float>(n) + eps);
     for (int64_t i = 0; i < n; i += 8) {
-      const __m256i m = lanes8(n - i);
+      const int64_t m = n - i;
       const __m256 xn = _mm256_mul_ps(load8(hr + i, m), _mm256_set1_ps(inv));
       store8(x + r * n + i, _mm256_mul_ps(load8(w + i, m), xn), m);
     }
@@ -185,12 +185,12 @@ MINISERVE_TARGET_AVX2 void add_rms_norm_rows_avx2(float* h, const float* delta, 
 MINISERVE_TARGET_AVX2 inline void rms_norm_head_avx2(const float* x, const float* w, float* y, int64_t D, float eps) {
   __m256 ss = _mm256_setzero_ps();
   for (int64_t i = 0; i < D; i += 8) {
-    const __m256 v = load8(x + i, lanes8(D - i));
+    const __m256 v = load8(x + i, D - i);
     ss = _mm256_fmadd_ps(v, v, ss);
   }
   const float inv = 1.0f / std::sqrt(reduce_add8(ss) / static_cast<float>(D) + eps);
   for (int64_t i = 0; i < D; i += 8) {
-    const __m256i m = lanes8(D - i);
+    const int64_t m = D - i;
     store8(y + i, _mm256_mul_ps(load8(w + i, m), _mm256_mul_ps(load8(x + i, m), _mm256_set1_ps(inv))), m);
   }
 }
@@ -214,7 +214,7 @@ MINISERVE_TARGET_AVX2 void silu_mul_rows_avx2(const float* gu, float* out, int64
       for (int j = 0; j < kVecs; ++j) _mm256_storeu_ps(o + i + 8 * j, y[j]);
     }
     for (; i < inter; i += 8) {
-      const __m256i m = lanes8(inter - i);
+      const int64_t m = inter - i;
       store8(o + i, silu_times8(load8(g + i, m), load8(u + i, m)), m);
     }
   }
@@ -223,7 +223,7 @@ MINISERVE_TARGET_AVX2 void silu_mul_rows_avx2(const float* gu, float* out, int64
 MINISERVE_TARGET_AVX2 inline void rotate_avx2(const float* x, const float* cos, const float* sin, float* y, int64_t D) {
   const int64_t half = D / 2;
   for (int64_t i = 0; i < half; i += 8) {
-    const __m256i m = lanes8(half - i);
+    const int64_t m = half - i;
     const __m256 x1 = load8(x + i, m), x2 = load8(x + half + i, m);
     const __m256 neg_x2 = _mm256_sub_ps(_mm256_setzero_ps(), x2);
     store8(y + i, _mm256_add_ps(_mm256_mul_ps(x1, load8(cos + i, m)), _mm256_mul_ps(neg_x2, load8(sin + i, m))), m);
@@ -257,7 +257,7 @@ MINISERVE_TARGET_AVX2 void rotary_kv_tokens_avx2(const float* qkv, const float* 
         rotate_avx2(x + (H + h) * D, c, s, ks + at, D);
       }
       const float* v = x + (H + KVH + h) * D;
-      for (int64_t i = 0; i < D; i += 8) store8(vs + at + i, load8(v + i, lanes8(D - i)), lanes8(D - i));
+      for (int64_t i = 0; i < D; i += 8) store8(vs + at + i, load8(v + i, D - i), D - i);
     }
   }
 }

@@ -117,8 +117,19 @@ MINISERVE_TARGET_AVX2 inline __m256i lanes8(int64_t n) {
   const int c = n >= 8 ? 8 : n <= 0 ? 0 : static_cast<int>(n);
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
-MINISERVE_TARGET_AVX2 inline __m256 load8(const float* p, __m256i m) { return _mm256_maskload_ps(p, m); }
-MINISERVE_TARGET_AVX2 inline void store8(float* p, __m256 v, __m256i m) { _mm256_maskstore_ps(p, m, v); }
+// The first min(n, 8) floats at p. A whole vector is a plain move: AMD's Zen cores run AVX2's masked
+// moves as microcode (a masked store ~15x a plain one on one of them, docs/architecture.md), so
+// only a row's ragged tail pays for the mask.
+MINISERVE_TARGET_AVX2 inline __m256 load8(const float* p, int64_t n) {
+  return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes8(n));
+}
+MINISERVE_TARGET_AVX2 inline void store8(float* p, __m256 v, int64_t n) {
+  if (n >= 8) {
+    _mm256_storeu_ps(p, v);
+  } else {
+    _mm256_maskstore_ps(p, lanes8(n), v);
+  }
+}
 MINISERVE_TARGET_AVX2 inline float reduce_add8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
