@@ -2,7 +2,10 @@
 // multiplied into `rows` rows' accumulators by FMAs (bf16: AVX512-BF16 dot products) with the
 // multiplier in a register: the arithmetic of a `rows`-row product and its weight stream, with
 // nothing else (no x loads, no panels' sums to store, no calls). What it reaches is this machine's
-// own limit for a product that needs its memory and its arithmetic at once.
+// own limit for a product that needs its memory and its arithmetic at once. On a CPU with AVX2 but
+// no AVX-512 (or with AVX-512 masked off) the fp32 loop runs in 256-bit vectors: a step's four
+// vectors go into each row's one accumulator (8 rows: 8 chains, more than an FMA's latency needs
+// in flight; 16 rows: the 8 twice, with a second multiplier), so the loop stays in 16 registers.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -30,6 +33,33 @@ __attribute__((target("avx512f,fma"))) float stream_f32(const float* p, int64_t 
   __m512 s = _mm512_setzero_ps();
   for (int m = 0; m < M; ++m) s = _mm512_add_ps(s, _mm512_add_ps(a0[m], a1[m]));
   return _mm512_reduce_add_ps(s);
+}
+
+template <int M>
+__attribute__((target("avx2,fma"))) float stream_f32_avx2(const float* p, int64_t steps) {
+  constexpr int A = M < 8 ? 4 : 8;  // accumulators: one row's four vectors apart, else one per row
+  __m256 a[A];
+  for (int m = 0; m < A; ++m) a[m] = _mm256_set1_ps(static_cast<float>(m));
+  const __m256 x = _mm256_set1_ps(1.0f), x2 = _mm256_set1_ps(0.5f);
+  for (int64_t k = 0; k < steps; ++k) {  // a step: 128 bytes, four vectors
+    __m256 w[4];
+    for (int j = 0; j < 4; ++j) w[j] = _mm256_loadu_ps(p + k * 32 + 8 * j);
+    if constexpr (M < 8) {
+      for (int j = 0; j < 4; ++j) a[j] = _mm256_fmadd_ps(w[j], x, a[j]);
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        for (int m = 0; m < 8; ++m) a[m] = _mm256_fmadd_ps(w[j], x, a[m]);
+        if constexpr (M == 16) {
+          for (int m = 0; m < 8; ++m) a[m] = _mm256_fmadd_ps(w[j], x2, a[m]);
+        }
+      }
+    }
+  }
+  __m256 s = _mm256_setzero_ps();
+  for (int m = 0; m < A; ++m) s = _mm256_add_ps(s, a[m]);
+  float out[8];
+  _mm256_storeu_ps(out, s);
+  return out[0] + out[1] + out[2] + out[3] + out[4] + out[5] + out[6] + out[7];
 }
 
 template <int M>
@@ -61,14 +91,16 @@ float stream_rows(const T* p, int64_t steps, int64_t rows, Fn&& fn) {
 }  // namespace
 
 // chunks: the weights (fp32 or bf16, each a whole number of 128-byte steps read), streamed as one
-// sequence, each thread a contiguous share; rows: 1, 8 or 16. Returns the sums (so nothing is
-// optimised away).
-double stream_fma(const std::vector<at::Tensor>& chunks, int64_t rows) {
+// sequence, each thread a contiguous share; rows: 1, 8 or 16; wide: fp32 in AVX-512 (else AVX2).
+// Returns the sums (so nothing is optimised away).
+double stream_fma(const std::vector<at::Tensor>& chunks, int64_t rows, bool wide) {
   TORCH_CHECK(rows == 1 || rows == 8 || rows == 16, "ridge probe: rows must be 1, 8 or 16, got ", rows);
   TORCH_CHECK(!chunks.empty(), "ridge probe: no weights");
   const bool bf16 = chunks[0].scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 ? __builtin_cpu_supports("avx512bf16") : __builtin_cpu_supports("avx512f"),
-              "ridge probe: needs AVX-512 (bf16: AVX512-BF16)");
+  TORCH_CHECK(bf16   ? __builtin_cpu_supports("avx512bf16")
+              : wide ? __builtin_cpu_supports("avx512f")
+                     : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+              "ridge probe: needs AVX2 and FMA (wide: AVX-512; bf16: AVX512-BF16)");
   std::vector<int64_t> steps;
   int64_t total = 0;
   for (const auto& c : chunks) {
@@ -88,8 +120,11 @@ double stream_fma(const std::vector<at::Tensor>& chunks, int64_t rows) {
         const char* base = static_cast<const char*>(chunks[i].data_ptr()) + (a - at) * 128;
         sums[t] += bf16 ? stream_rows(reinterpret_cast<const uint16_t*>(base), b - a, rows,
                                       [](auto m, auto p, auto n) { return stream_bf16<decltype(m)::value>(p, n); })
-                        : stream_rows(reinterpret_cast<const float*>(base), b - a, rows,
-                                      [](auto m, auto p, auto n) { return stream_f32<decltype(m)::value>(p, n); });
+                 : wide ? stream_rows(reinterpret_cast<const float*>(base), b - a, rows,
+                                      [](auto m, auto p, auto n) { return stream_f32<decltype(m)::value>(p, n); })
+                        : stream_rows(reinterpret_cast<const float*>(base), b - a, rows, [](auto m, auto p, auto n) {
+                            return stream_f32_avx2<decltype(m)::value>(p, n);
+                          });
       }
     }
   });
@@ -99,8 +134,8 @@ double stream_fma(const std::vector<at::Tensor>& chunks, int64_t rows) {
 }
 
 #else
-double stream_fma(const std::vector<at::Tensor>&, int64_t) {
-  TORCH_CHECK(false, "ridge probe: needs an x86-64 CPU with AVX-512");
+double stream_fma(const std::vector<at::Tensor>&, int64_t, bool) {
+  TORCH_CHECK(false, "ridge probe: needs an x86-64 CPU with AVX2 (bf16: AVX512-BF16)");
   return 0;
 }
 #endif
