@@ -111,14 +111,15 @@ def test_the_engine_sees_the_masked_features(monkeypatch):
     monkeypatch.setenv("MINISERVE_CPU_FEATURES", "avx2")
     assert cpu_features() == detected() & {"avx2"}
     assert kernels.can_run("gemv", torch.float32) == ("avx2" in detected())  # its AVX2 form
-    assert not kernels.can_run("gemv", torch.bfloat16) and not kernels.can_run("argmax", torch.float32)
+    assert not kernels.can_run("gemv", torch.bfloat16) and not kernels.can_run("argmax", torch.bfloat16)
+    assert kernels.can_run("argmax", torch.float32) == ("avx2" in detected())  # its AVX2 form
     assert kernels.can_run("decode_attention", torch.float32) == ("avx2" in detected())  # its AVX2 form
     assert not kernels.can_run("decode_attention", torch.bfloat16)
     monkeypatch.setenv("MINISERVE_CPU_FEATURES", "none")
     assert not kernels.can_run("gemv", torch.float32)
     monkeypatch.setenv("MINISERVE_CPU_FEATURES", "avx512")
     assert not kernels.can_run("gemv", torch.bfloat16)
-    assert kernels.can_run("argmax", torch.float32) == ("avx512" in detected())
+    assert kernels.can_run("argmax", torch.bfloat16) == ("avx512" in detected())
 
 
 @needs("gemv", torch.float32)
@@ -133,7 +134,8 @@ def test_the_raw_ops_obey_the_features_the_engine_allows():
         assert torch.ops.miniserve.gemv_supported(torch.float32)
         assert torch.ops.miniserve.decode_attention_supported(torch.float32, 64)
         assert not torch.ops.miniserve.decode_attention_supported(torch.bfloat16, 64)
-        assert not torch.ops.miniserve.argmax_supported(torch.float32)
+        assert torch.ops.miniserve.argmax_supported(torch.float32)
+        assert not torch.ops.miniserve.argmax_supported(torch.bfloat16)
         torch.ops.miniserve.allow_cpu_features(False, False, False)
         for supported in (torch.ops.miniserve.gemv_supported(torch.float32),
                           torch.ops.miniserve.argmax_supported(torch.float32),
@@ -437,7 +439,7 @@ def test_decode_attention_builds_wherever_the_cpu_can_run_it(dtype):
     # bf16 keys and values are widened by hand: AVX-512 alone is enough; fp32 has an AVX2 form
     runs = EXPECTED[torch.float32] if dtype == torch.float32 else WANTS_AVX512
     assert (kernels.decode_attention(dtype, 64) is not None) == runs, BUILD_FAILED
-    assert (kernels.argmax_rows(dtype) is not None) == WANTS_AVX512, BUILD_FAILED  # the same holds for argmax
+    assert (kernels.argmax_rows(dtype) is not None) == runs, BUILD_FAILED  # the same holds for argmax
     assert kernels.decode_attention(dtype, 80) is None  # head dims 16, 32, 64, 128 only: SDPA for others
 
 
@@ -747,11 +749,47 @@ def test_the_engine_makes_three_fused_calls_per_layer():
     assert calls == per_layer * layers + ["add_rms_norm"]  # and the final norm, of the sampled rows
 
 
-@needs("argmax", torch.float32, torch.bfloat16)
+ARGMAX_DTYPES = [d for d in (torch.float32, torch.bfloat16) if ON and kernels.can_run("argmax", d)]
+
+
+@needs("argmax", torch.float32)
 @settings(max_examples=40, deadline=None)
-@given(dtype=st.sampled_from([torch.float32, torch.bfloat16]), rows=st.integers(1, 5), n=st.integers(1, 300),
+@given(dtype=st.sampled_from(ARGMAX_DTYPES or [torch.float32]), rows=st.integers(1, 5), n=st.integers(1, 300),
        ties=st.booleans(), seed=st.integers(0, 2**16))
 def test_argmax_rows_is_torchs_argmax(dtype, rows, n, ties, seed):
+    check_argmax(dtype, rows, n, ties, seed)
+
+
+@needs("argmax", torch.float32)
+@pytest.mark.skipif(not HAS_AVX512, reason="runs the AVX2 form on an AVX-512 CPU (an AVX2-only one runs it above)")
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 5), n=st.integers(1, 300), ties=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_avx2_argmax_is_torchs_argmax(rows, n, ties, seed):
+    kernels.argmax_rows(torch.float32)  # built and registered before its features are switched
+    try:
+        torch.ops.miniserve.allow_cpu_features(True, False, False)  # as an AVX2-only CPU
+        check_argmax(torch.float32, rows, n, ties, seed)
+    finally:
+        allow_the_engines_features()
+
+
+@needs("argmax", torch.float32)
+@pytest.mark.parametrize("case", ["all -inf", "max in the tail", "tie across chains", "nan in the tail"])
+def test_argmax_edges(case):
+    """The cases where the vector chains and a ragged tail meet (n = 37: four chains of 8, five left)."""
+    x = torch.full((1, 37), -float("inf"))
+    if case == "max in the tail":
+        x[0, :] = 1.0
+        x[0, 35] = 2.0
+    elif case == "tie across chains":
+        x[0, :] = 0.0
+        x[0, 30] = x[0, 9] = x[0, 36] = 3.0
+    elif case == "nan in the tail":
+        x[0, 34] = float("nan")
+    assert torch.equal(kernels.argmax_rows(torch.float32)(x), x.argmax(-1))
+
+
+def check_argmax(dtype, rows, n, ties, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, n, generator=g)
     if ties:  # few distinct values: the first index of the largest must win

@@ -62,8 +62,8 @@ log = logging.getLogger("miniserve.kernels")
 
 # the CPU features each kernel needs, by op and dtype (bf16 keys, values and activations are
 # widened by hand, so only gemv's bf16 dot products need AVX512-BF16; the attention's bf16 scores
-# use them where the CPU has them, and widen the keys where it does not). The fp32 gemv, layer ops
-# and attention also have an AVX2 form: an AVX2-only CPU runs fp32 (oneDNN's linear reached 10 GB/s of
+# use them where the CPU has them, and widen the keys where it does not). The fp32 gemv, layer ops,
+# attention and argmax also have an AVX2 form: an AVX2-only CPU runs fp32 (oneDNN's linear reached 10 GB/s of
 # weights at 8 rows on one, and ~30 torch ops per layer cost a fifth of a decode call there;
 # docs/architecture.md).
 NEEDS: dict[str, dict[torch.dtype, frozenset[str]]] = {
@@ -71,7 +71,7 @@ NEEDS: dict[str, dict[torch.dtype, frozenset[str]]] = {
     "gemv_amx": {torch.bfloat16: frozenset({"avx512", "avx512_bf16", "amx_bf16"})},  # the bf16 gemv on tiles
     "decode_attention": {torch.float32: frozenset({"avx2"}), torch.bfloat16: frozenset({"avx512"})},
     "layer_ops": {torch.float32: frozenset({"avx2"}), torch.bfloat16: frozenset({"avx512"})},
-    "argmax": {torch.float32: frozenset({"avx512"}), torch.bfloat16: frozenset({"avx512"})},
+    "argmax": {torch.float32: frozenset({"avx2"}), torch.bfloat16: frozenset({"avx512"})},
 }
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # decode_attention.cpp's
 

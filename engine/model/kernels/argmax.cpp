@@ -4,7 +4,8 @@
 // Why: torch's argmax over a (32, 151936) fp32 row block runs on one core at ~10 GB/s (2 ms, ~1%
 // of a fp32 decode call at B=32), and bf16 logits were first copied to fp32 (bf16 argmax is 4x
 // slower still). Same answer as torch.argmax: the first index of the largest value, and the first
-// NaN if a row has one.
+// NaN if a row has one. fp32 has an AVX2 form for CPUs without AVX-512 (bf16 logits are AVX-512's
+// alone: an AVX2-only CPU runs fp32).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -85,11 +86,70 @@ MINISERVE_TARGET int64_t argmax_row(const T* x, int64_t n) {
   return first == INT32_MAX ? 0 : first;
 }
 
+// argmax_row in AVX2, fp32: the same four chains in 8 lanes over the whole vectors, then the ragged
+// tail one by one (a later index wins only if strictly larger; no masked loads, which AMD's cores
+// run as microcode)
+struct Chain8 {
+  __m256 best;
+  __m256i best_at;
+};
+
+MINISERVE_TARGET_AVX2 inline void step8(Chain8& c, const float* x, int64_t i, __m256& nan) {
+  const __m256 v = _mm256_loadu_ps(x + i);
+  nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256 gt = _mm256_cmp_ps(v, c.best, _CMP_GT_OQ);
+  c.best = _mm256_blendv_ps(c.best, v, gt);
+  const __m256i at = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  c.best_at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(c.best_at), _mm256_castsi256_ps(at), gt));
+}
+
+MINISERVE_TARGET_AVX2 int64_t argmax_row_avx2(const float* x, int64_t n) {
+  constexpr int kChains = 4;
+  Chain8 c[kChains];
+  for (auto& ch : c) ch = {_mm256_set1_ps(-INFINITY), _mm256_setzero_si256()};
+  __m256 nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 * kChains <= n; i += 8 * kChains) {
+    for (int j = 0; j < kChains; ++j) step8(c[j], x, i + 8 * j, nan);
+  }
+  for (int j = 0; i + 8 <= n; i += 8, ++j) step8(c[j], x, i, nan);
+  bool has_nan = _mm256_movemask_ps(nan) != 0;
+  for (int64_t k = i; k < n && !has_nan; ++k) has_nan = std::isnan(x[k]);
+  if (has_nan) {
+    for (int64_t k = 0; k < n; ++k) {
+      if (std::isnan(x[k])) return k;
+    }
+  }
+  float lanes_best[8 * kChains];
+  int32_t lanes_at[8 * kChains];
+  for (int j = 0; j < kChains; ++j) {
+    _mm256_storeu_ps(lanes_best + 8 * j, c[j].best);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes_at + 8 * j), c[j].best_at);
+  }
+  // the lanes' largest value and its smallest index (all -inf: index 0), then the tail
+  float top = -INFINITY;
+  int64_t first = 0;
+  for (int l = 0; l < 8 * kChains; ++l) {
+    if (lanes_best[l] > top || (lanes_best[l] == top && top != -INFINITY && lanes_at[l] < first)) {
+      top = lanes_best[l];
+      first = lanes_at[l];
+    }
+  }
+  for (; i < n; ++i) {
+    if (x[i] > top) {
+      top = x[i];
+      first = i;
+    }
+  }
+  return first;
+}
+
 #endif  // MINISERVE_X86
 
 bool argmax_supported(at::ScalarType dtype) {
 #ifdef MINISERVE_X86
-  return (dtype == at::kFloat || dtype == at::kBFloat16) && cpu_has_avx512();
+  return (dtype == at::kFloat && (cpu_has_avx512() || cpu_has_avx2())) ||
+         (dtype == at::kBFloat16 && cpu_has_avx512());
 #else
   return false;
 #endif
@@ -104,11 +164,13 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
 #ifdef MINISERVE_X86
   int64_t* o = out.data_ptr<int64_t>();
+  const bool wide = cpu_has_avx512();
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      o[r] = logits.scalar_type() == at::kFloat
-                 ? argmax_row(logits.data_ptr<float>() + r * n, n)
-                 : argmax_row(reinterpret_cast<const uint16_t*>(logits.data_ptr<c10::BFloat16>()) + r * n, n);
+      o[r] = logits.scalar_type() != at::kFloat
+                 ? argmax_row(reinterpret_cast<const uint16_t*>(logits.data_ptr<c10::BFloat16>()) + r * n, n)
+             : wide ? argmax_row(logits.data_ptr<float>() + r * n, n)
+                    : argmax_row_avx2(logits.data_ptr<float>() + r * n, n);
     }
   });
 #endif
