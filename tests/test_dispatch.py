@@ -290,17 +290,21 @@ def test_the_gemv_tuning_takes_each_row_counts_fastest_distance_apart(monkeypatc
                                 stream_rows=16)  # summed ratios: 16 rows 1 + 1.5, 12 rows 3 + 1, 8 rows 3 + 3
     assert threads_seen == [(1, 2), (8, 2), (8, 1), (12, 2), (16, 2)]
     assert set(timings["1"]) == {f"{d},{int(l2)}" for d, l2 in dispatch.PREFETCH_ONE}
-    assert set(timings["8"]) == set(timings[dispatch.ONE_THREAD]) == {f"{d},{int(l2)}" for d, l2 in dispatch.PREFETCH}
+    assert set(timings["8"]) == set(timings["8" + dispatch.ONE_THREAD]) == {f"{d},{int(l2)}" for d, l2 in dispatch.PREFETCH}
     assert set(timings["12"]) == set(timings["16"]) == {str(n) for n in dispatch.STREAM_ROWS}
     assert {rows for rows, _ in calls} == {1, 8, 12, 16} and all(t.amx_rows == 0 for _, t in calls)  # the vector loop
     assert all(t.prefetch == 32768 and t.prefetch_one == 2048 for rows, t in calls if rows >= 12)
 
-    calls.clear()  # an AVX2-only CPU: its loop takes 6 rows a sweep whatever the tuning says, so none timed
+    # an AVX2-only CPU: its loop sweeps 6 rows whatever stream_rows says (none timed), and the
+    # distance is timed at 6 rows, which a sweep takes (at 8 its rows go in blocks that ignore it)
+    calls.clear()
+    best[6] = "4096,0"
     monkeypatch.setattr(dispatch, "cpu_features", lambda: frozenset({"avx2"}))
-    torch.set_num_threads(1)  # one thread: its 8 rows are timed once, and decide alone
+    torch.set_num_threads(1)  # one thread: its 6 rows are timed once, and decide alone
     try:
         tuning, timings = dispatch.tune_gemv(torch.float32, Probe())
     finally:
         torch.set_num_threads(threads)
-    assert tuning.stream_rows == GemvTuning().stream_rows and set(timings) == {"1", "8"}
-    assert tuning.prefetch == 32768 and tuning.prefetch_l2  # that one timing's best (here the one-thread table's)
+    assert tuning.stream_rows == GemvTuning().stream_rows and set(timings) == {"1", "6"}
+    assert {rows for rows, _ in calls} == {1, 6}
+    assert tuning.prefetch == 4096 and not tuning.prefetch_l2  # that one timing's best

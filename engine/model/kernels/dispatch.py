@@ -14,7 +14,7 @@ dispatches to the faster:
   AMX a bf16 chunk attends faster in SDPA, on the tiles, and decodes in the kernel);
 - the gemv's own tuning (``kernels.GemvTuning``): how far ahead, into L1 or L2, it asks for its
   weight stream at one row (``PREFETCH_ONE``'s candidates, timed at 1 row) and at more
-  (``PREFETCH``'s, timed at 8 rows on all threads and on one), up to how many rows one sweep of the weights takes them all
+  (``PREFETCH``'s, timed at 8 rows, an AVX2-only CPU's 6, on all threads and on one), up to how many rows one sweep of the weights takes them all
   (``STREAM_ROWS``, timed at 12 and 16 rows) and, for bf16 on a CPU with AMX, from which row class
   its tiles beat its vector loop (``fold_amx``).
 
@@ -62,7 +62,7 @@ ROW_CLASSES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # against each other on this one
 PREFETCH_ONE = ((0, False), (1 << 10, False), (2 << 10, False), (8 << 10, False), (32 << 10, True))
 PREFETCH = ((2 << 10, False), (4 << 10, False), (16 << 10, False), (8 << 10, True), (16 << 10, True), (32 << 10, True))
-ONE_THREAD = "8, one thread"  # tune_gemv's timings of PREFETCH at 8 rows on one thread
+ONE_THREAD = ", one thread"  # tune_gemv's timings of PREFETCH on one thread: "8, one thread" (AVX2: "6, ...")
 # up to how many rows the gemv sweeps the weights once for all rows (past that: 8-row passes over
 # blocks of K in cache): 16 rows' sums fill every AVX-512 register, so the compiler spills
 STREAM_ROWS = (8, 12, 16)
@@ -72,7 +72,7 @@ STREAM_ROWS = (8, 12, 16)
 PROBE_LAYER = ((1152, 896), (896, 896), (9728, 896), (896, 4864))
 PROBE_BYTES = (64 << 20, 512 << 20)  # the probe: twice the last-level cache within these, rounded up to a layer
 FORCE_ENV = "MINISERVE_DISPATCH"
-VERSION = 9  # bump when what is measured or how it is chosen changes
+VERSION = 10  # bump when what is measured or how it is chosen changes
 log = logging.getLogger("miniserve.dispatch")
 
 
@@ -312,10 +312,11 @@ class ProbeWeights:
 @torch.inference_mode()
 def tune_gemv(dtype: torch.dtype, probe: ProbeWeights, repeats: int = 5) -> tuple[GemvTuning, dict]:
     """The gemv's fastest weight stream here, on its vector loop (the tiles' row count is chosen
-    after): ``PREFETCH_ONE``'s distance timed at 1 row, ``PREFETCH``'s at 8 rows on all threads and
-    on one (the least summed ratio to each one's best), then ``STREAM_ROWS`` at 12 and 16 rows
-    (the same), with the seconds that chose them (per row count, and ``ONE_THREAD``, per
-    ``"distance,l2"`` or ``"stream_rows"``).
+    after): ``PREFETCH_ONE``'s distance timed at 1 row, ``PREFETCH``'s at 8 rows (6 on an AVX2-only
+    CPU, whose sweeps take 6: timed at 8 its rows ran in blocks that ignore the distance, and the
+    choice was noise) on all threads and on one (the least summed ratio to each one's best), then
+    ``STREAM_ROWS`` at 12 and 16 rows (the same), with the seconds that chose them (per row count,
+    and per row count + ``ONE_THREAD``, per ``"distance,l2"`` or ``"stream_rows"``).
 
     Why 8 rows on one thread too: there a product needs its weights and its arithmetic at once (one
     core's stream reads at most its share of the bandwidth while it multiplies at a core's full
@@ -339,12 +340,15 @@ def tune_gemv(dtype: torch.dtype, probe: ProbeWeights, repeats: int = 5) -> tupl
     t = fastest(1, one)
     tuning = one[min(t, key=t.get)]
     several = {f"{d},{int(l2)}": replace(tuning, prefetch=d, prefetch_l2=l2) for d, l2 in PREFETCH}
+    # rows one sweep of the weights takes on every machine: 8 with AVX-512; AVX2's loop sweeps 6
+    # (gemv.cpp kBlockRowsAvx2), and past that its rows go in blocks that use no stream distance
+    rows = 8 if "avx512" in cpu_features() else 6
     threads = torch.get_num_threads()
-    runs = [fastest(8, several)]
+    runs = [fastest(rows, several)]
     if threads > 1:
         torch.set_num_threads(1)
         try:
-            runs.append(fastest(8, several, ONE_THREAD))
+            runs.append(fastest(rows, several, f"{rows}{ONE_THREAD}"))
         finally:
             torch.set_num_threads(threads)
     tuning = least_summed(several, *runs)
