@@ -16,7 +16,7 @@ Torch-free, so the simulator can load a profile without the model. Features (per
                      17: GemvTuning.stream_rows 8, 12 or 16, measured per machine): the cost steps
                      up there (fp32 13% from 16 to 17 rows on one CPU), which a tent from 16 to 24
                      priced as a straight line. Past that the gemv takes the rows in passes of its
-                     register block (8 rows with AVX-512, 6 with AVX2), each pass reading every
+                     register block (8 rows with AVX-512, 6 with AVX2: two 3-row passes), each pass reading every
                      weight again from cache, so the cost is a staircase: flat within a pass, a step
                      just past each multiple of the block (bf16 on a Zen 5: 24 → 25 rows +12%, 32 →
                      33 +15%, 48 → 49 +14%; a line from 32 to 64 priced 33-63 rows 8-12% short,

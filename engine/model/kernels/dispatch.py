@@ -341,7 +341,7 @@ def tune_gemv(dtype: torch.dtype, probe: ProbeWeights, repeats: int = 5) -> tupl
     tuning = one[min(t, key=t.get)]
     several = {f"{d},{int(l2)}": replace(tuning, prefetch=d, prefetch_l2=l2) for d, l2 in PREFETCH}
     # rows one sweep of the weights takes on every machine: 8 with AVX-512; AVX2's loop sweeps 6
-    # (gemv.cpp kBlockRowsAvx2), and past that its rows go in blocks that use no stream distance
+    # (gemv.cpp kSweepRowsAvx2), and past that its rows go in blocks that use no stream distance
     rows = 8 if "avx512" in cpu_features() else 6
     threads = torch.get_num_threads()
     runs = [fastest(rows, several)]

@@ -63,7 +63,8 @@ namespace {
 constexpr int64_t kPanel = 32;     // output columns per panel (engine/kernels/__init__.py PANEL)
 constexpr int64_t kBlockRows = 8;  // rows per register block: 2 accumulators per row, 16 of 32 registers
 constexpr int64_t kStreamRowsMax = 16;  // the most rows one sweep of the weights takes (GemvTuning.stream_rows)
-constexpr int64_t kBlockRowsAvx2 = 6;  // AVX2's: two passes of 3 rows × a whole panel (12 accumulators)
+constexpr int64_t kSweepRowsAvx2 = 6;  // AVX2's one sweep: two passes of 3 rows × a whole panel per sub-block
+constexpr int64_t kPassRowsAvx2 = 3;   // AVX2's pass: 3 rows × a whole panel (12 accumulators)
 
 #ifdef MINISERVE_X86
 
@@ -315,15 +316,17 @@ void for_chunks(int64_t M, int64_t row_block, Fn&& fn) {
 // stream_rows, K is cut into
 // blocks of `block_steps` k steps (k pairs in bf16; dispatch.k_block sizes them to two thirds of
 // the L1 cache, AVX2's fp32 rounds that down to whole sub-blocks): every BlockRows-row block of
-// the row_block rows multiplies a k block in turn while it sits in cache, so the weights come
-// from memory once per row_block rows. Meanwhile the next k block is
+// the row_block rows (AVX2: each 3-row pass) multiplies a k block in turn while it sits in cache,
+// so the weights come from memory once per row_block rows. Meanwhile the next k block is
 // asked for, each pass a 1/passes share of it, one k step every few of its own: the requests go
 // out at the pace the arithmetic consumes the weights, so memory works all through the block
 // (without that, memory and arithmetic took turns: at 32 rows the product cost the weight stream
 // plus three quarters of the FLOPs; asking for the whole next block in each pass, or in the first
 // one, sent the requests out in bursts and pushed this block out of the L1 before its later
-// passes: 0.93x (fp32) and 0.94x (bf16) the time of that at 32 rows, docs/architecture.md). Even
-// so the passes over a block overlap memory less than one sweep does, hence stream_rows.
+// passes: 0.93x (fp32) and 0.94x (bf16) the time of that at 32 rows, docs/architecture.md; AVX2's
+// blocks of two 3-row passes, the second asking for nothing, took 1.03x the time of a share per
+// pass at 8 rows). Even so the passes over a block overlap memory less than one sweep does, hence
+// stream_rows.
 template <int64_t BlockRows, int64_t StreamRows, typename T, typename Kernel, typename Finish>
 void run_panels(const T* xp, const T* wpp, const T* bp, T* yp, int64_t M, int64_t N, int64_t K, int64_t steps,
                 int64_t block_steps, int64_t row_block, int64_t stream_rows, Prefetch stream, Kernel&& kernel,
@@ -610,9 +613,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
     // set-up for a third of a sub-block's work. The next block each pass asks for shrinks with it
     // (docs/architecture.md has the figures)
     const int64_t avx2_block = std::max(kSubSteps, k_block / kSubSteps * kSubSteps);
-    run_panels<kBlockRowsAvx2, kBlockRowsAvx2>(x.data_ptr<float>(), wp.data_ptr<float>(),
+    run_panels<kPassRowsAvx2, kSweepRowsAvx2>(x.data_ptr<float>(), wp.data_ptr<float>(),
                has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N, K, K, avx2_block,
-               row_block, kBlockRowsAvx2, stream,
+               row_block, kSweepRowsAvx2, stream,
                [](auto rows, auto spread, auto&&... args) {
                  panel_f32_avx2<decltype(rows)::value, decltype(spread)::value>(args...);
                },
