@@ -308,3 +308,9 @@ def test_the_gemv_tuning_takes_each_row_counts_fastest_distance_apart(monkeypatc
     assert tuning.stream_rows == GemvTuning().stream_rows and set(timings) == {"1", "6"}
     assert {rows for rows, _ in calls} == {1, 6}
     assert tuning.prefetch == 4096 and not tuning.prefetch_l2  # that one timing's best
+    torch.set_num_threads(2)  # two threads: 6 rows on both and on one
+    try:
+        tuning, timings = dispatch.tune_gemv(torch.float32, Probe())
+    finally:
+        torch.set_num_threads(threads)
+    assert set(timings) == {"1", "6", "6" + dispatch.ONE_THREAD} and tuning.prefetch == 4096

@@ -773,10 +773,16 @@ def test_the_avx2_argmax_is_torchs_argmax(rows, n, ties, seed):
         allow_the_engines_features()
 
 
+ARGMAX_FORMS = ["as built"] + (["avx2"] if HAS_AVX512 else [])  # an AVX-512 CPU runs the AVX2 form too
+
+
 @needs("argmax", torch.float32)
-@pytest.mark.parametrize("case", ["all -inf", "max in the tail", "tie across chains", "nan in the tail"])
-def test_argmax_edges(case):
-    """The cases where the vector chains and a ragged tail meet (n = 37: four chains of 8, five left)."""
+@pytest.mark.parametrize("form", ARGMAX_FORMS)
+@pytest.mark.parametrize("case", ["all -inf", "max in the tail", "tie across chains", "nan in the tail",
+                                  "nan in the body", "-inf among finite", "+inf ties", "short row"])
+def test_argmax_edges(case, form):
+    """Where the vector chains and a ragged tail meet (n = 37: four chains of 8, five left; a short
+    row has no whole vector), against torch.argmax."""
     x = torch.full((1, 37), -float("inf"))
     if case == "max in the tail":
         x[0, :] = 1.0
@@ -786,7 +792,24 @@ def test_argmax_edges(case):
         x[0, 30] = x[0, 9] = x[0, 36] = 3.0
     elif case == "nan in the tail":
         x[0, 34] = float("nan")
-    assert torch.equal(kernels.argmax_rows(torch.float32)(x), x.argmax(-1))
+    elif case == "nan in the body":
+        x[0, :] = 1.0
+        x[0, 20] = x[0, 12] = float("nan")
+    elif case == "-inf among finite":
+        x[0, 10:] = -5.0
+        x[0, 25] = -4.0
+    elif case == "+inf ties":
+        x[0, :] = 2.0
+        x[0, 17] = x[0, 3] = x[0, 35] = float("inf")
+    elif case == "short row":
+        x = torch.tensor([[1.0, 3.0, -2.0, 3.0, 0.5]])
+    kernels.argmax_rows(torch.float32)  # built and registered before its features are switched
+    try:
+        if form == "avx2":
+            torch.ops.miniserve.allow_cpu_features(True, False, False)  # as an AVX2-only CPU
+        assert torch.equal(kernels.argmax_rows(torch.float32)(x), x.argmax(-1))
+    finally:
+        allow_the_engines_features()
 
 
 def check_argmax(dtype, rows, n, ties, seed):

@@ -87,8 +87,8 @@ MINISERVE_TARGET int64_t argmax_row(const T* x, int64_t n) {
 }
 
 // argmax_row in AVX2, fp32: the same four chains in 8 lanes over the whole vectors, then the ragged
-// tail one by one (a later index wins only if strictly larger; no masked loads, which AMD's cores
-// run as microcode)
+// tail one by one (a later index wins only if strictly larger; no masked loads, which cost AMD's
+// cores extra uops)
 struct Chain8 {
   __m256 best;
   __m256i best_at;
@@ -130,7 +130,7 @@ MINISERVE_TARGET_AVX2 int64_t argmax_row_avx2(const float* x, int64_t n) {
   float top = -INFINITY;
   int64_t first = 0;
   for (int l = 0; l < 8 * kChains; ++l) {
-    if (lanes_best[l] > top || (lanes_best[l] == top && top != -INFINITY && lanes_at[l] < first)) {
+    if (lanes_best[l] > top || (lanes_best[l] == top && lanes_at[l] < first)) {
       top = lanes_best[l];
       first = lanes_at[l];
     }

@@ -318,7 +318,7 @@ def tune_gemv(dtype: torch.dtype, probe: ProbeWeights, repeats: int = 5) -> tupl
     ``STREAM_ROWS`` at 12 and 16 rows (the same), with the seconds that chose them (per row count,
     and per row count + ``ONE_THREAD``, per ``"distance,l2"`` or ``"stream_rows"``).
 
-    Why 8 rows on one thread too: there a product needs its weights and its arithmetic at once (one
+    Why 8 rows (AVX2: 6) on one thread too: there a product needs its weights and its arithmetic at once (one
     core's stream reads at most its share of the bandwidth while it multiplies at a core's full
     rate), as 8 rows do on all threads only in a fast memory spell, and that is where how far ahead
     the stream is asked for decides the most (one Zen 4: 16-32 KiB into L2 96% of the matmul

@@ -118,8 +118,8 @@ MINISERVE_TARGET_AVX2 inline __m256i lanes8(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 // The first min(n, 8) floats at p. A whole vector is a plain move: AMD's Zen cores run AVX2's masked
-// moves as microcode (a masked store ~15x a plain one on one of them, docs/architecture.md), so
-// only a row's ragged tail pays for the mask.
+// stores as microcode and its masked loads in extra uops (a masked load and store of a whole vector
+// ~15x plain ones on one of them, docs/architecture.md), so only a row's ragged tail pays for the mask.
 MINISERVE_TARGET_AVX2 inline __m256 load8(const float* p, int64_t n) {
   return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes8(n));
 }
