@@ -62,6 +62,7 @@ def main() -> None:
     if unknown:
         ap.error(f"--dtypes from {', '.join(NEEDS)}; got {', '.join(unknown)}")
     features = cpu_features()
+    wide = "avx512" in features  # fp32's loop in the vectors the gemv runs in
     probe_mod = None
     ratios = {}
     for d in args.dtypes.split(","):
@@ -91,7 +92,6 @@ def main() -> None:
                     for p in lean.projections:
                         lean._projector(xs[p.panels.k], p)
 
-                wide = "avx512" in features  # the vectors the gemv runs in
                 fns = {"ridge": lambda: probe_mod.stream_fma(panels, rows, wide), "gemv": gemv_pass}
                 for fn in fns.values():
                     fn()  # warm

@@ -13,6 +13,8 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -151,6 +153,20 @@ def allow_the_engines_features() -> None:
                                            "amx_bf16" in FEATURES)
 
 
+@contextmanager
+def allowing(*features: bool) -> Iterator[None]:
+    """The kernels' own checks told the CPU has only ``features`` (allow_cpu_features' order: AVX2,
+    AVX-512, AVX512-BF16[, AMX]) for the block, then the engine's features again."""
+    try:
+        torch.ops.miniserve.allow_cpu_features(*features)
+        yield
+    finally:
+        allow_the_engines_features()
+
+
+AVX2_ONLY = (True, False, False)  # as an AVX2-only CPU
+
+
 @needs("gemv", torch.float32)
 @pytest.mark.skipif(not HAS_AVX512, reason="compares the AVX2 form with the AVX-512 one: needs AVX-512")
 @settings(max_examples=30, deadline=None)
@@ -164,11 +180,8 @@ def test_the_avx2_gemv_gives_the_avx512_ones_values(rows, k, n, bias, seed, k_bl
     b = torch.randn(n, generator=g) if bias else None
     panels = kernels.pack_panels(w)
     wide = kernels.gemv(torch.float32)(x, panels, b, 16, k_block)
-    try:
-        torch.ops.miniserve.allow_cpu_features(True, False, False)  # as an AVX2-only CPU
+    with allowing(*AVX2_ONLY):
         narrow = kernels.gemv(torch.float32)(x, panels, b, 16, k_block)
-    finally:
-        allow_the_engines_features()
     assert torch.equal(wide, narrow)
 
 
@@ -336,13 +349,10 @@ def test_the_tiles_run_from_amx_rows_on_and_the_vector_loop_below():
 @NEEDS_AMX
 def test_a_mask_without_amx_turns_the_tiles_off_with_a_clear_error():
     x, w = torch.randn(2, 64).bfloat16(), torch.randn(32, 64).bfloat16()
-    try:
-        torch.ops.miniserve.allow_cpu_features(True, True, True, False)
+    with allowing(True, True, True, False):
         assert not torch.ops.miniserve.gemv_amx_supported()
         with pytest.raises(RuntimeError, match="no AMX bf16 tiles"):
             kernels.gemv(torch.bfloat16)(x, kernels.pack_panels(w), None, 64, 256, kernels.GemvTuning(amx_rows=1))
-    finally:
-        allow_the_engines_features()
     assert torch.ops.miniserve.gemv_amx_supported()
     assert not kernels.can_run("gemv_amx", torch.bfloat16, parse_mask("avx512,avx512_bf16"))
 
@@ -509,12 +519,9 @@ def test_bf16_attention_with_and_without_bf16_dot_products(d):
     case = _chunk_and_decodes(torch.bfloat16, d, 14, 80)
     op = kernels.decode_attention(torch.bfloat16, d)
     outs = []
-    try:
-        for dot_products in (True, False):
-            torch.ops.miniserve.allow_cpu_features(True, True, dot_products)
+    for dot_products in (True, False):
+        with allowing(True, True, dot_products):
             outs.append(op(*case, d ** -0.5))
-    finally:
-        allow_the_engines_features()
     _assert_exact_attention(outs, *case, bf16_rounding=True)
 
 
@@ -528,12 +535,9 @@ def test_fp32_attention_in_avx2_and_avx512_forms(d, heads):
     case = _chunk_and_decodes(torch.float32, d, heads, 300)
     op = kernels.decode_attention(torch.float32, d)
     outs = []
-    try:
-        for avx512 in ([False, True] if HAS_AVX512 else [False]):
-            torch.ops.miniserve.allow_cpu_features(True, avx512, False)
+    for avx512 in ([False, True] if HAS_AVX512 else [False]):
+        with allowing(True, avx512, False):
             outs.append(op(*case, d ** -0.5))
-    finally:
-        allow_the_engines_features()
     _assert_exact_attention(outs, *case, bf16_rounding=False)
 
 
@@ -650,11 +654,8 @@ def test_fused_layer_ops_round_where_the_stock_ops_round(dtype, t, n, heads, d, 
        d=st.sampled_from([2, 16, 34, 64]), seed=st.integers(0, 2**16))
 def test_the_avx2_layer_ops_round_where_the_stock_ops_round(t, n, heads, d, seed):
     kernels.layer_ops(torch.float32)  # built and registered before its features are switched
-    try:
-        torch.ops.miniserve.allow_cpu_features(True, False, False)  # as an AVX2-only CPU
+    with allowing(*AVX2_ONLY):
         check_fused_against_stock(torch.float32, t, n, heads, d, seed)
-    finally:
-        allow_the_engines_features()
 
 
 def check_fused_against_stock(dtype, t, n, heads, d, seed):
@@ -766,11 +767,8 @@ def test_argmax_rows_is_torchs_argmax(dtype, rows, n, ties, seed):
 @given(rows=st.integers(1, 5), n=st.integers(1, 300), ties=st.booleans(), seed=st.integers(0, 2**16))
 def test_the_avx2_argmax_is_torchs_argmax(rows, n, ties, seed):
     kernels.argmax_rows(torch.float32)  # built and registered before its features are switched
-    try:
-        torch.ops.miniserve.allow_cpu_features(True, False, False)  # as an AVX2-only CPU
+    with allowing(*AVX2_ONLY):
         check_argmax(torch.float32, rows, n, ties, seed)
-    finally:
-        allow_the_engines_features()
 
 
 ARGMAX_FORMS = ["as built"] + (["avx2"] if HAS_AVX512 else [])  # an AVX-512 CPU runs the AVX2 form too
@@ -804,12 +802,8 @@ def test_argmax_edges(case, form):
     elif case == "short row":
         x = torch.tensor([[1.0, 3.0, -2.0, 3.0, 0.5]])
     kernels.argmax_rows(torch.float32)  # built and registered before its features are switched
-    try:
-        if form == "avx2":
-            torch.ops.miniserve.allow_cpu_features(True, False, False)  # as an AVX2-only CPU
+    with allowing(*AVX2_ONLY) if form == "avx2" else nullcontext():
         assert torch.equal(kernels.argmax_rows(torch.float32)(x), x.argmax(-1))
-    finally:
-        allow_the_engines_features()
 
 
 def check_argmax(dtype, rows, n, ties, seed):

@@ -342,7 +342,8 @@ def tune_gemv(dtype: torch.dtype, probe: ProbeWeights, repeats: int = 5) -> tupl
     several = {f"{d},{int(l2)}": replace(tuning, prefetch=d, prefetch_l2=l2) for d, l2 in PREFETCH}
     # rows one sweep of the weights takes on every machine: 8 with AVX-512; AVX2's loop sweeps 6
     # (gemv.cpp kSweepRowsAvx2), and past that its rows go in blocks that use no stream distance
-    rows = 8 if "avx512" in cpu_features() else 6
+    avx512 = "avx512" in cpu_features()
+    rows = 8 if avx512 else 6
     threads = torch.get_num_threads()
     runs = [fastest(rows, several)]
     if threads > 1:
@@ -352,7 +353,7 @@ def tune_gemv(dtype: torch.dtype, probe: ProbeWeights, repeats: int = 5) -> tupl
         finally:
             torch.set_num_threads(threads)
     tuning = least_summed(several, *runs)
-    if "avx512" not in cpu_features():  # the AVX2 loop's sweeps take 6 rows whatever stream_rows says
+    if not avx512:  # the AVX2 loop's sweeps take 6 rows whatever stream_rows says
         return tuning, timings
     sweeps = {str(n): replace(tuning, stream_rows=n) for n in STREAM_ROWS}
     return least_summed(sweeps, *(fastest(rows, sweeps) for rows in (12, 16))), timings
