@@ -41,6 +41,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -444,49 +445,63 @@ void attend(const T* q, const T* ks, const T* vs, const int64_t* slots, const in
   // bf16 scores by AVX512-BF16 dot products where the CPU has them (and the mask allows them)
   const bool dp = std::is_same_v<T, uint16_t> && NC % 2 == 0 && cpu_has_avx512_bf16();
   const bool avx2_only = !cpu_has_avx512();  // fp32 only (decode_attention_supported)
-  // Each thread takes a contiguous run of tasks holding an equal share of the keys read (a task
-  // costs its row's length, plus a few keys' worth for its setup): an equal count of tasks would
-  // give the thread with a prefill chunk's later rows most of the work, its rows seeing up to the
-  // chunk's length where the first thread's see from 1 key.
+  // The tasks go in contiguous runs, each holding an equal share of the keys read (a task costs
+  // its row's length, plus a few keys' worth for its setup: an equal count of tasks would give the
+  // run with a prefill chunk's later rows most of the work, its rows seeing up to the chunk's
+  // length where the first run's see from 1 key), several runs per thread, taken off a shared
+  // counter: where the cores run at different speeds (a VM's vCPU whose core a neighbour's thread
+  // shares, big and little cores) one fixed share each makes every layer wait for the slowest
+  // thread (as gemv.cpp's panels).
+  constexpr int64_t kRunsPerThread = 4;
   const int64_t tasks = rows * kv_heads, threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
-  std::vector<int64_t> bounds(threads + 1, tasks);
+  const int64_t runs = std::min(tasks, threads * kRunsPerThread);
+  std::vector<int64_t> bounds(runs + 1, tasks);
   {
     constexpr int64_t kTaskSetup = 8;  // in keys
     int64_t total = 0;
     for (int64_t r = 0; r < rows; ++r) total += (lens[r] + kTaskSetup) * kv_heads;
     int64_t done = 0, next = 1;
     bounds[0] = 0;
-    for (int64_t t = 0; t < tasks && next < threads; ++t) {
+    for (int64_t t = 0; t < tasks && next < runs; ++t) {
       done += lens[t / kv_heads] + kTaskSetup;
-      while (next < threads && done * threads >= total * next) bounds[next++] = t + 1;
+      while (next < runs && done * runs >= total * next) bounds[next++] = t + 1;
     }
   }
-  at::parallel_for(0, threads, 1, [&](int64_t i0, int64_t i1) {
-    const int64_t t0 = bounds[i0], t1 = bounds[i1];
+  std::atomic<int64_t> next_run{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> qf(G * D), scores, inv_sum(G);
     auto kv_of = [&](int64_t t) { return (slots[t / kv_heads] * kv_heads + t % kv_heads) * max_len * D; };
     auto chunk_row = [&](int64_t r) {  // a row of a prefill chunk: a neighbouring row shares its slot
       return (r > 0 && slots[r - 1] == slots[r]) || (r + 1 < rows && slots[r + 1] == slots[r]);
     };
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t / kv_heads, h = t % kv_heads;
-      const int64_t kv = kv_of(t), qo = (r * heads + h * G) * D;
-      if constexpr (std::is_same_v<T, float>) {
-        if (avx2_only) {
-          attend_task_avx2<2 * NC>(q + qo, ks + kv, vs + kv, lens[r], G, scale, out + qo, qf, scores, inv_sum);
-          continue;
+    // a thread claims its next run as it starts the last task of this one, so that task knows
+    // which keys to ask for next
+    for (int64_t run = next_run.fetch_add(1, std::memory_order_relaxed); run < runs;) {
+      const int64_t t0 = bounds[run], t1 = bounds[run + 1];
+      int64_t following = t0 < t1 ? runs : next_run.fetch_add(1, std::memory_order_relaxed);
+      for (int64_t t = t0; t < t1; ++t) {
+        if (t + 1 == t1) following = next_run.fetch_add(1, std::memory_order_relaxed);
+        const int64_t r = t / kv_heads, h = t % kv_heads;
+        const int64_t kv = kv_of(t), qo = (r * heads + h * G) * D;
+        if constexpr (std::is_same_v<T, float>) {
+          if (avx2_only) {
+            attend_task_avx2<2 * NC>(q + qo, ks + kv, vs + kv, lens[r], G, scale, out + qo, qf, scores, inv_sum);
+            continue;
+          }
         }
+        // the next task's keys are asked for during this one's value pass, as far as this task has
+        // keys; not within a prefill chunk, whose rows share their slot's keys (in cache already)
+        const int64_t tn = t + 1 < t1 ? t + 1 : following < runs ? bounds[following] : tasks;
+        const T* next_k = nullptr;
+        int64_t next_len = 0;
+        if (tn < tasks) {
+          const int64_t rn = tn / kv_heads;
+          if (slots[rn] != slots[r] || (rn == r && !chunk_row(r))) next_k = ks + kv_of(tn), next_len = lens[rn];
+        }
+        attend_task<NC, GB>(q + qo, ks + kv, vs + kv, lens[r], G, scale, out + qo, !chunk_row(r), next_k, next_len,
+                            dp, qf, scores, inv_sum);
       }
-      // the next task's keys are asked for during this one's value pass, as far as this task has
-      // keys; not within a prefill chunk, whose rows share their slot's keys (in cache already)
-      const T* next_k = nullptr;
-      int64_t next_len = 0;
-      if (t + 1 < t1) {
-        const int64_t rn = (t + 1) / kv_heads;
-        if (slots[rn] != slots[r] || (rn == r && !chunk_row(r))) next_k = ks + kv_of(t + 1), next_len = lens[rn];
-      }
-      attend_task<NC, GB>(q + qo, ks + kv, vs + kv, lens[r], G, scale, out + qo, !chunk_row(r), next_k, next_len, dp,
-                          qf, scores, inv_sum);
+      run = following;
     }
   });
 }

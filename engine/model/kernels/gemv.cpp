@@ -40,6 +40,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -305,7 +306,26 @@ void for_chunks(int64_t M, int64_t row_block, Fn&& fn) {
   }
 }
 
-// Each thread takes a contiguous run of panels: one forward stream of weights. Up to `stream_rows`
+// The panels go out to torch's threads in runs taken off a shared counter, several runs per
+// thread, rather than one fixed share each: where the cores run at different speeds (a VM's vCPU
+// whose core a neighbour's thread shares, big and little cores) a fixed share makes every product
+// wait for its slowest thread, and a run is still a forward stream of whole panels
+// (docs/architecture.md has the figures). fn(p0, p1) may run several times on one thread.
+constexpr int64_t kRunsPerThread = 8;
+
+template <typename Fn>
+void parallel_panels(int64_t panels, Fn&& fn) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
+  const int64_t run = std::max<int64_t>(1, panels / (threads * kRunsPerThread));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t p0; (p0 = next.fetch_add(run, std::memory_order_relaxed)) < panels;) {
+      fn(p0, std::min(panels, p0 + run));
+    }
+  });
+}
+
+// A thread's run of panels is one forward stream of weights (parallel_panels). Up to `stream_rows`
 // rows (GemvTuning.stream_rows, between BlockRows and StreamRows: 8-16 with AVX-512, AVX2's 6) a
 // panel is multiplied in one sweep of K while its weights stream from memory, each k step asking
 // for the weights `stream.ahead` steps on, into L1 or L2 (`stream.to_l2`; 0 leaves it to the
@@ -332,7 +352,6 @@ void run_panels(const T* xp, const T* wpp, const T* bp, T* yp, int64_t M, int64_
                 int64_t block_steps, int64_t row_block, int64_t stream_rows, Prefetch stream, Kernel&& kernel,
                 Finish&& finish) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  const int64_t grain = std::max<int64_t>(1, panels / std::max(1, at::get_num_threads()));
   const int64_t step_elems = kPanel * (sizeof(T) == 2 ? 2 : 1), panel_elems = steps * step_elems;
   static_assert(kPanel * 4 == kStepBytes, "a k step of a panel is 128 bytes in fp32 and in bf16");
   stream_rows = std::clamp<int64_t>(stream_rows, BlockRows, StreamRows);
@@ -341,7 +360,7 @@ void run_panels(const T* xp, const T* wpp, const T* bp, T* yp, int64_t M, int64_
     const bool blocked = rows > stream_rows;
     const int64_t block = std::max<int64_t>(1, block_steps);
     const int64_t passes = (rows + BlockRows - 1) / BlockRows;
-    at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+    parallel_panels(panels, [&](int64_t p0, int64_t p1) {
       std::vector<float> part(rows * kPanel);  // the running sums of one panel's outputs
       for (int64_t p = p0; p < p1; ++p) {
         const T* w = wpp + p * panel_elems;
@@ -352,7 +371,7 @@ void run_panels(const T* xp, const T* wpp, const T* bp, T* yp, int64_t M, int64_
         } else {  // blocks of K in cache, BlockRows rows a pass
           for (int64_t s0 = 0; s0 < steps; s0 += block) {
             const int64_t s1 = std::min(steps, s0 + block);
-            // the next k block: this panel's, else the next panel's first (this thread's panels only)
+            // the next k block: this panel's, else the next panel's first (this run's panels only)
             const int64_t next = s1 < steps  ? std::min(steps, s1 + block) - s1
                                  : p + 1 < p1 ? std::min(steps, block)
                                               : 0;
@@ -471,12 +490,12 @@ __attribute__((target("amx-tile,amx-bf16"))) void panel_amx(const uint16_t* x, i
   }
 }
 
-// Each thread takes a run of panels, row_block rows at a time (whole 32s); every row block sweeps
-// a panel's whole K (blocks of K that stay in L1, as the vector loop takes them, were slower here:
+// Each run of panels (parallel_panels) goes row_block rows at a time (whole 32s); every row block
+// sweeps a panel's whole K (blocks of K that stay in L1, as the vector loop takes them, were slower here:
 // the sums' tiles then go to memory and back between blocks; docs/architecture.md): pairs of
 // 16-row blocks (each weight tile used twice, each x tile twice), a last 16-row block, then the
 // rows past the last 16 with their own tile shape; the first row block asks for the weights
-// `stream.ahead` k pairs on, and all of them together ask for the thread's next panel into L2, an
+// `stream.ahead` k pairs on, and all of them together ask for the run's next panel into L2, an
 // even share per step over the panel's sweeps: the tiles' arithmetic then overlaps a whole panel's
 // memory latency, which the short `ahead` alone did not (docs/architecture.md has the figures).
 // What the tiles do not cover (an odd K's last pair, the k pairs past
@@ -484,11 +503,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void panel_amx(const uint16_t* x, i
 void run_panels_amx(const uint16_t* xp, const uint16_t* wpp, const uint16_t* bp, uint16_t* yp, int64_t M, int64_t N,
                     int64_t K, int64_t row_block, Prefetch stream) {
   const int64_t panels = (N + kPanel - 1) / kPanel, pairs = (K + 1) / 2, kk_tiles = K / 2 / 16 * 16;
-  const int64_t grain = std::max<int64_t>(1, panels / std::max(1, at::get_num_threads()));
   const int64_t panel_elems = pairs * kPanel * 2, block = std::max<int64_t>(32, row_block / 32 * 32);
   for (int64_t r0 = 0; r0 < M; r0 += block) {
     const int64_t r1 = std::min(M, r0 + block), rows = r1 - r0, full = rows / 16 * 16, tail = rows - full;
-    at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+    parallel_panels(panels, [&](int64_t p0, int64_t p1) {
       std::vector<float> part(rows * kPanel);
       int shape = 0;  // the rows the tiles are configured for (0: not yet)
       auto configure = [&](int r) {
