@@ -313,14 +313,39 @@ def test_the_gemv_on_amx_tiles_equals_the_exact_product_up_to_rounding(rows, k, 
     assert y.shape == (rows, n) and ((y.double() - ref).abs() <= 1e-5 * scale + 2 ** -8 * ref.abs()).all()
 
 
+@needs("gemv", torch.float32)
+@pytest.mark.parametrize("dtype", [d for d, ok in EXPECTED.items() if ok] or [torch.float32])
+@pytest.mark.parametrize("rows", [1, 8, 20])
+def test_gemv_values_do_not_depend_on_how_the_threads_share_the_panels(dtype, rows):
+    """The threads take runs of panels off a shared counter (gemv.cpp parallel_panels), so which
+    thread multiplies a panel changes from call to call: 71 panels on 1, 2 and 3 threads, every
+    path (one row, one sweep, blocks of K), give the same bits."""
+    before = torch.get_num_threads()
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(32 * 70 + 7, 200, generator=g).to(dtype), torch.randn(rows, 200, generator=g).to(dtype)
+    panels, gemv = kernels.pack_panels(w), kernels.gemv(dtype)
+    try:
+        ys = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            ys.append(gemv(x, panels, None, 64, 64))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(ys[0], y) for y in ys[1:])
+    ref = x.double() @ w.double().T
+    tol = 1e-5 * (x.double().abs() @ w.double().abs().T) + (2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
+    assert ((ys[0].double() - ref).abs() <= tol).all()
+
+
 @NEEDS_AMX
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_tiles_asking_for_each_next_panel_change_no_value(threads):
-    """Several panels per thread, so every panel but a thread's last asks for its successor while
-    the tiles multiply (the request is a prefetch: the values are the one-panel-per-call values)."""
+    """Several panels per run a thread takes (gemv.cpp parallel_panels: 41 panels, 8 runs per
+    thread), so every panel but a run's last asks for its successor while the tiles multiply (the
+    request is a prefetch: the values are the one-panel-per-call values)."""
     before = torch.get_num_threads()
     g = torch.Generator().manual_seed(3)
-    w, x = torch.randn(32 * 24 + 5, 300, generator=g).bfloat16(), torch.randn(37, 300, generator=g).bfloat16()
+    w, x = torch.randn(32 * 40 + 5, 300, generator=g).bfloat16(), torch.randn(37, 300, generator=g).bfloat16()
     panels, gemv = kernels.pack_panels(w), kernels.gemv(torch.bfloat16)
     try:
         torch.set_num_threads(threads)
@@ -481,6 +506,28 @@ def test_decode_attention_equals_exact_attention_over_each_requests_own_keys(dty
         # fp32: summation order and exp's polynomial; bf16: also the one rounding of the output
         tol = 1e-5 if dtype == torch.float32 else 1e-5 + 2 ** -8 * ref.abs()
         assert ((out[r].double() - ref).abs() <= tol).all()
+
+
+@needs("decode_attention", torch.float32)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES or [torch.float32])
+def test_decode_attention_values_do_not_depend_on_how_the_threads_share_the_tasks(dtype):
+    """The tasks go in runs of equal keys off a shared counter (decode_attention.cpp attend), so
+    which thread attends a row changes from call to call, and one long row among short ones makes
+    runs with no task: a prefill chunk and decodes of very different lengths on 1, 2 and 3 threads
+    give the same bits, each row its exact attention."""
+    q, k_store, v_store, slots, lens = _chunk_and_decodes(dtype, 64, 14, 300)
+    lens[-2] = 300  # one decode reads far more keys than any other row
+    before = torch.get_num_threads()
+    op = kernels.decode_attention(dtype, 64)
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(op(q, k_store, v_store, slots, lens, 64 ** -0.5))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+    _assert_exact_attention(outs[:1], q, k_store, v_store, slots, lens, dtype == torch.bfloat16)
 
 
 def _chunk_and_decodes(dtype: torch.dtype, d: int, heads: int, max_len: int):
