@@ -2,6 +2,10 @@
 per-machine caches."""
 
 import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +51,21 @@ def _bandwidth_history_in_a_temp_dir(tmp_path_factory):
         os.environ.pop("MINISERVE_BANDWIDTH_HISTORY_DIR", None)
     else:
         os.environ["MINISERVE_BANDWIDTH_HISTORY_DIR"] = old
+
+
+@dataclass
+class TinyCalibration:
+    dir: Path
+    run: subprocess.CompletedProcess
+
+
+@pytest.fixture(scope="session")
+def tiny_calibration(tmp_path_factory, _bandwidth_history_in_a_temp_dir) -> TinyCalibration:
+    """The calibrate app once per session on the tiny model, quick grid, its defaults otherwise:
+    test_calibration checks what it wrote and printed, the experiments' tests read its profile
+    (no app writes into a profile after calibrate; one run saves the suite its ~45 s a time)."""
+    out = tmp_path_factory.mktemp("tiny_calibration")
+    run = subprocess.run([sys.executable, "-m", "experiments.calibrate", "model=tiny", "calibration.grid=quick",
+                          "model.num_threads=1", "model.device=cpu", f"hydra.run.dir={out}"],
+                         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300)
+    return TinyCalibration(out, run)

@@ -1,10 +1,7 @@
 """Calibration: the fit, the plan features, the profile's guard, and the Hydra app end to end."""
 
 import json
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,8 +23,6 @@ from engine.model import kernels
 from engine.model.kernels.features import cpu_features
 from engine.model.loader import config_fingerprint
 from engine.core.plan import BatchPlan
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def feature(plan: BatchPlan, name: str) -> float:
@@ -167,10 +162,8 @@ def test_roofline_counts_weights_kv_and_flops():
     assert roofline_s(hand_plan(), shape, Machine(1e3, 1e12)) == pytest.approx(bytes_moved / 1e3)
 
 
-def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "experiments.calibrate", "model=tiny", "calibration.grid=quick",
-                          "model.num_threads=1", "model.device=cpu", f"hydra.run.dir={tmp_path}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tiny_calibration):
+    out, tmp_path = tiny_calibration.run, tiny_calibration.dir  # the session's one run (conftest.py)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "held out" in out.stdout and "roofline" in out.stdout
     # progress is on by default, but off a terminal only one summary line reaches the output and the log

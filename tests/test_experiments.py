@@ -85,11 +85,9 @@ def run_app(module: str, *overrides: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def tiny_profile(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cal")
-    run_app("experiments.calibrate", "model=tiny", "model.device=cpu", "model.num_threads=1", "calibration.grid=quick",
-            "calibration.progress=false", f"hydra.run.dir={out}")
-    return out / "profile.json"
+def tiny_profile(tiny_calibration):
+    assert tiny_calibration.run.returncode == 0, tiny_calibration.run.stderr[-3000:]
+    return tiny_calibration.dir / "profile.json"
 
 
 def test_tiny_sweep_real_and_simulated_then_report(tmp_path, tiny_profile):
