@@ -167,6 +167,17 @@ def allowing(*features: bool) -> Iterator[None]:
 AVX2_ONLY = (True, False, False)  # as an AVX2-only CPU
 
 
+@contextmanager
+def on_threads(threads: int) -> Iterator[None]:
+    """torch's threads (the kernels' parallel_for) set to ``threads`` for the block, then as they were."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @needs("gemv", torch.float32)
 @pytest.mark.skipif(not HAS_AVX512, reason="compares the AVX2 form with the AVX-512 one: needs AVX-512")
 @settings(max_examples=30, deadline=None)
@@ -320,17 +331,13 @@ def test_gemv_values_do_not_depend_on_how_the_threads_share_the_panels(dtype, ro
     """The threads take runs of panels off a shared counter (gemv.cpp parallel_panels), so which
     thread multiplies a panel changes from call to call: 71 panels on 1, 2 and 3 threads, every
     path (one row, one sweep, blocks of K), give the same bits."""
-    before = torch.get_num_threads()
     g = torch.Generator().manual_seed(rows)
     w, x = torch.randn(32 * 70 + 7, 200, generator=g).to(dtype), torch.randn(rows, 200, generator=g).to(dtype)
     panels, gemv = kernels.pack_panels(w), kernels.gemv(dtype)
-    try:
-        ys = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
+    ys = []
+    for threads in (1, 2, 3):
+        with on_threads(threads):
             ys.append(gemv(x, panels, None, 64, 64))
-    finally:
-        torch.set_num_threads(before)
     assert all(torch.equal(ys[0], y) for y in ys[1:])
     ref = x.double() @ w.double().T
     tol = 1e-5 * (x.double().abs() @ w.double().abs().T) + (2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
@@ -343,15 +350,11 @@ def test_the_tiles_asking_for_each_next_panel_change_no_value(threads):
     """Several panels per run a thread takes (gemv.cpp parallel_panels: 41 panels, 8 runs per
     thread), so every panel but a run's last asks for its successor while the tiles multiply (the
     request is a prefetch: the values are the one-panel-per-call values)."""
-    before = torch.get_num_threads()
     g = torch.Generator().manual_seed(3)
     w, x = torch.randn(32 * 40 + 5, 300, generator=g).bfloat16(), torch.randn(37, 300, generator=g).bfloat16()
     panels, gemv = kernels.pack_panels(w), kernels.gemv(torch.bfloat16)
-    try:
-        torch.set_num_threads(threads)
+    with on_threads(threads):
         y = gemv(x, panels, None, 64, 256, kernels.GemvTuning(amx_rows=1))
-    finally:
-        torch.set_num_threads(before)
     for p0 in range(0, w.shape[0], 32):  # each panel alone: no next panel to ask for
         one = gemv(x, kernels.pack_panels(w[p0:p0 + 32]), None, 64, 256, kernels.GemvTuning(amx_rows=1))
         assert torch.equal(y[:, p0:p0 + 32], one)
@@ -517,15 +520,11 @@ def test_decode_attention_values_do_not_depend_on_how_the_threads_share_the_task
     give the same bits, each row its exact attention."""
     # one decode reads 1000 keys, the chunk's rows 1-37: on 2 and 3 threads some runs get no task
     q, k_store, v_store, slots, lens = _chunk_and_decodes(dtype, 64, 14, 1000)
-    before = torch.get_num_threads()
     op = kernels.decode_attention(dtype, 64)
-    try:
-        outs = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
+    outs = []
+    for threads in (1, 2, 3):
+        with on_threads(threads):
             outs.append(op(q, k_store, v_store, slots, lens, 64 ** -0.5))
-    finally:
-        torch.set_num_threads(before)
     assert all(torch.equal(outs[0], out) for out in outs[1:])
     _assert_exact_attention(outs[:1], q, k_store, v_store, slots, lens, dtype == torch.bfloat16)
 
