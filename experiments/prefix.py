@@ -117,8 +117,8 @@ def run_app(app: PrefixApp, out_dir: Path) -> dict:
 def table_text(table: dict[str, dict]) -> str:
     lines = ["| run | " + " | ".join(label for _, label in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
     for name, r in table.items():
-        cells = [f"{r[k]:+.1%}" if "error" in name else (f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]))
-                 for k, _ in COLUMNS]
+        cells = [("n/a" if math.isnan(r[k]) else f"{r[k]:+.1%}") if "error" in name
+                 else (f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k])) for k, _ in COLUMNS]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

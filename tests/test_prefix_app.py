@@ -35,6 +35,8 @@ def test_caching_off_and_on_real_and_simulated(tmp_path):
             assert (tmp_path / "out" / name / side / "metrics.json").is_file()
     assert json.loads((tmp_path / "out" / "prefix.json").read_text())["table"]["on real"] == table["on real"]
     assert (tmp_path / "out" / "prefix.png").stat().st_size > 0
-    assert "| on sim error |" in table_text(table)
+    text = table_text(table)
+    assert "| on sim error |" in text and "nan" not in text  # no hits with caching off: n/a, not +nan%
+    assert text.split("| off sim error |")[1].split("\n")[0].count("n/a") == 2
     summary = build_report(ReportApp(prefix_dir=str(tmp_path / "out")), tmp_path / "report")
     assert "Prefix caching" in summary.read_text() and (tmp_path / "report" / "prefix.png").is_file()
