@@ -90,10 +90,12 @@ class GridSpec:
 
 
 GRID_SPECS: dict[str, GridSpec] = {
-    # a decode at every batch size up to max_seqs: a serving loop's decode tail steps through each,
-    # and the gemv's cost is not monotone in its rows there (cost_model.py)
+    # a decode and a prefill chunk at every row count up to max_seqs: a serving loop's decode tail
+    # steps through each, the gemv's cost is not monotone in its rows there (cost_model.py), and
+    # only the two together tell the empirical model's tokens@K from its samples@K (a decode
+    # samples every row, a chunk one)
     "quick": GridSpec(decode_batches=(1, 2, 3, 4, 5, 6, 7, 8), decode_contexts=(8, 64),
-                      prefill_chunks=(1, 2, 4, 8, 16, 32, 48), prefill_contexts=(0, 32),
+                      prefill_chunks=(1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 48), prefill_contexts=(0, 32),
                       multi_prefill=((2, 12), (4, 12), (8, 12)), num_mixed=12,
                       max_batched_tokens=96, max_seqs=8, repeats=3, idle_levels=((0.1, 3), (0.5, 1), (2.0, 1))),
     # 9, 13, 17: just past each row count up to which the gemv may sweep the weights once

@@ -216,14 +216,8 @@ def build_report(app: ReportApp, out_dir: Path) -> Path:
         table = json.loads((Path(app.prefix_dir) / "prefix.json").read_text())["table"]
         plot_prefix(table, out_dir / "prefix.png")
         figure("Prefix caching off and on, real and simulated", "prefix.png")
-        lines += ["| run | calls | prefill tokens | TTFT p50 s | TTFT p99 s | out tok/s | hit rate (tokens) |",
-                  "|---|---|---|---|---|---|---|"]
-        for name, r in table.items():
-            fmt = (lambda v: f"{v:+.1%}") if "error" in name else (lambda v: f"{v:.3g}")  # noqa: E731
-            lines.append(f"| {name} | " + " | ".join(fmt(r[k]) for k in ("calls", "prefill_tokens", "ttft_p50_s",
-                                                                          "ttft_p99_s", "output_tok_s", "hit_rate"))
-                         + " |")
-        lines.append("")
+        from experiments.prefix import table_text  # the app's own table: one format for both
+        lines += [table_text(table), ""]
     if len(lines) == 2:
         raise ValueError("nothing to report: give sweep_dir, validate_dir, seed_dir and/or prefix_dir")
     summary = out_dir / "summary.md"

@@ -302,33 +302,45 @@ def test_a_grid_without_calls_near_a_knot_fits_the_curve_there_from_its_neighbou
         assert fit.predict(plan) == pytest.approx(truth.predict(plan), rel=0.03), t
 
 
-def test_the_quick_grid_times_a_decode_at_every_batch_size_up_to_its_max_seqs():
+def test_the_quick_grid_times_a_decode_and_a_prefill_chunk_at_every_row_count_up_to_its_max_seqs():
     spec = GRID_SPECS["quick"]
-    assert set(range(1, spec.max_seqs + 1)) <= set(spec.decode_batches)
+    assert set(range(1, spec.max_seqs + 1)) <= set(spec.decode_batches) & set(spec.prefill_chunks)
 
 
-def test_sampled_rows_alone_do_not_pin_the_physical_curve():
-    """A grid with no 5-row call and one mixed call sampling 5 rows, timed 25% slow (noise): its
-    lm_head is a few percent of the call, so pinning rows@5 on it let the fit set the curve to
-    7.7x there to absorb that noise (a seed run's 5-decode steps were simulated at 820 ms against
-    150 measured). The knot must follow its neighbours: every decode batch priced as the truth."""
+@pytest.mark.parametrize("model", ["empirical", "physical"])
+def test_a_mixed_calls_noise_stays_off_the_curve_at_its_sampled_rows(model):
+    """One mixed call sampling 5 rows timed 25% slow (noise); its lm_head is a few percent of the
+    call. A grid without 5-row calls let it pin the physical curve's rows@5 (fitted at 7.7x: a
+    seed run's 5-decode steps simulated at 820 ms against 150 measured), and the empirical
+    samples@5 with tokens@5 unidentified beside it. Physical: on a grid still without 5-row calls,
+    the knot follows its neighbours. Both, on the quick grid: every decode batch and every chunk up
+    to max_seqs priced as the truth."""
     from dataclasses import replace
 
     from calibration.calibrate import fit_physical
     from calibration.physical import PhysicalCostModel
     truth = physical_truth()
-    spec = replace(GRID_SPECS["quick"], decode_batches=(1, 2, 3, 4, 6, 8))
     noisy = Shape("mixed", decode_contexts=(40, 40, 40), chunks=((40, 0, True), (30, 0, True), (6, 32, False)))
-    shapes = [s for s in build_grid(spec) if s.num_tokens != 5] + [noisy]
+    spec = GRID_SPECS["quick"]
+    if model == "physical":
+        spec = replace(spec, decode_batches=(1, 2, 3, 4, 6, 8), prefill_chunks=(1, 2, 4, 8, 16, 32, 48))
+    shapes = [s for s in build_grid(spec) if model == "empirical" or s.num_tokens != 5] + [noisy]
     ids = [f"r{i}" for i in range(64)]
     plans = [s.to_plan(ids) for s in shapes]
-    assert plans[-1].num_samples == 5 and 5 not in {p.total_tokens for p in plans}
+    assert plans[-1].num_samples == 5 and (model == "empirical") == (5 in {p.total_tokens for p in plans})
     measurements = [Measurement(s, p, (truth.predict(p) * (1.25 if s is noisy else 1.0),))
                     for s, p in zip(shapes, plans)]
-    fitted, _ = fit_physical(measurements, np.zeros(len(shapes), dtype=bool), truth.shape, truth.machine)
-    fit = PhysicalCostModel(tuple(fitted), truth.shape, truth.machine)
+    held = np.zeros(len(shapes), dtype=bool)
+    if model == "empirical":
+        fit = CostModel(tuple(fit_cost_model(measurements, held)[0]))
+    else:
+        fit = PhysicalCostModel(tuple(fit_physical(measurements, held, truth.shape, truth.machine)[0]),
+                                truth.shape, truth.machine)
     for n in range(1, spec.max_seqs + 1):
         assert fit.predict_decodes(n, 64 * n) == pytest.approx(truth.predict_decodes(n, 64 * n), rel=0.03), n
+        if model == "empirical":
+            chunk = BatchPlan.of("serial", ["a"], [n], [0], [True], 0)
+            assert fit.predict(chunk) == pytest.approx(truth.predict(chunk), rel=0.03), n
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

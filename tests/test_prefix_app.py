@@ -40,3 +40,4 @@ def test_caching_off_and_on_real_and_simulated(tmp_path):
     assert text.split("| off sim error |")[1].split("\n")[0].count("n/a") == 2
     summary = build_report(ReportApp(prefix_dir=str(tmp_path / "out")), tmp_path / "report")
     assert "Prefix caching" in summary.read_text() and (tmp_path / "report" / "prefix.png").is_file()
+    assert text in summary.read_text()  # the app's table, n/a and all
