@@ -90,10 +90,10 @@ class GridSpec:
 
 
 GRID_SPECS: dict[str, GridSpec] = {
-    # a decode and a prefill chunk at every row count up to max_seqs: a serving loop's decode tail
-    # steps through each, the gemv's cost is not monotone in its rows there (cost_model.py), and
-    # only the two together tell the empirical model's tokens@K from its samples@K (a decode
-    # samples every row, a chunk one)
+    # a decode at every row count up to max_seqs (a serving loop's decode tail steps through each,
+    # and the gemv's cost is not monotone in its rows there: cost_model.py), and in both grids a
+    # chunk beside each decode batch: only the two together tell the empirical model's tokens@K
+    # from its samples@K (a decode samples every row, a chunk one)
     "quick": GridSpec(decode_batches=(1, 2, 3, 4, 5, 6, 7, 8), decode_contexts=(8, 64),
                       prefill_chunks=(1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 48), prefill_contexts=(0, 32),
                       multi_prefill=((2, 12), (4, 12), (8, 12)), num_mixed=12,
@@ -102,7 +102,7 @@ GRID_SPECS: dict[str, GridSpec] = {
     # (GemvTuning.stream_rows), where a call's cost steps up (calibration/cost_model.py)
     "full": GridSpec(decode_batches=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 16, 17, 24, 32),
                      decode_contexts=(16, 128, 512, 1024),
-                     prefill_chunks=(1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64, 128, 256),
+                     prefill_chunks=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 16, 17, 24, 32, 64, 128, 256),
                      prefill_contexts=(0, 128, 512),
                      multi_prefill=((2, 12), (3, 12), (4, 12), (5, 12), (6, 12), (7, 12), (8, 12), (8, 32), (4, 64)),
                      num_mixed=40,

@@ -302,9 +302,10 @@ def test_a_grid_without_calls_near_a_knot_fits_the_curve_there_from_its_neighbou
         assert fit.predict(plan) == pytest.approx(truth.predict(plan), rel=0.03), t
 
 
-def test_the_quick_grid_times_a_decode_and_a_prefill_chunk_at_every_row_count_up_to_its_max_seqs():
-    spec = GRID_SPECS["quick"]
-    assert set(range(1, spec.max_seqs + 1)) <= set(spec.decode_batches) & set(spec.prefill_chunks)
+def test_the_grids_time_a_chunk_beside_every_decode_batch_and_quick_every_batch_up_to_its_max_seqs():
+    for spec in GRID_SPECS.values():
+        assert set(spec.decode_batches) <= set(spec.prefill_chunks)
+    assert set(range(1, GRID_SPECS["quick"].max_seqs + 1)) <= set(GRID_SPECS["quick"].decode_batches)
 
 
 @pytest.mark.parametrize("model", ["empirical", "physical"])
