@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from engine.core.config import SchedulerConfig
@@ -12,6 +14,20 @@ from engine.core.state import ServingState
 
 SEED_OUTPUTS = (4, 16, 8, 12)
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextmanager
+def on_threads(threads: int) -> Iterator[None]:
+    """torch's threads (the kernels' parallel_for) set to ``threads`` for the block, then as they
+    were. torch is imported here, not at the top: the scheduler tests use this module without it."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def create_requests(num: int, prompt_len: int = 12, outputs=SEED_OUTPUTS, arrival_s: float = 0.0,

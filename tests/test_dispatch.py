@@ -11,6 +11,7 @@ import torch
 
 from engine.model import kernels
 from engine.model.kernels import GemvTuning, dispatch
+from tests.helpers import on_threads
 
 KERNEL = {"decode": "kernel", "prefill": "kernel"}  # a table's attention: both phases by the kernel
 SDPA = {"decode": "sdpa", "prefill": "sdpa"}
@@ -279,13 +280,9 @@ def test_the_gemv_tuning_takes_each_row_counts_fastest_distance_apart(monkeypatc
 
     monkeypatch.setattr(dispatch, "_fastest_alternating", fastest)
     monkeypatch.setattr(dispatch, "cpu_features", lambda: frozenset({"avx2", "avx512"}))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with on_threads(2):
         tuning, timings = dispatch.tune_gemv(torch.float32, Probe())
         assert torch.get_num_threads() == 2  # given back after the one-thread timings
-    finally:
-        torch.set_num_threads(threads)
     assert tuning == GemvTuning(prefetch_one=2048, prefetch_one_l2=False, prefetch=32768, prefetch_l2=True,
                                 stream_rows=16)  # summed ratios: 16 rows 1 + 1.5, 12 rows 3 + 1, 8 rows 3 + 3
     assert threads_seen == [(1, 2), (8, 2), (8, 1), (12, 2), (16, 2)]
@@ -300,17 +297,11 @@ def test_the_gemv_tuning_takes_each_row_counts_fastest_distance_apart(monkeypatc
     calls.clear()
     best[6] = "4096,0"
     monkeypatch.setattr(dispatch, "cpu_features", lambda: frozenset({"avx2"}))
-    torch.set_num_threads(1)  # one thread: its 6 rows are timed once, and decide alone
-    try:
+    with on_threads(1):  # one thread: its 6 rows are timed once, and decide alone
         tuning, timings = dispatch.tune_gemv(torch.float32, Probe())
-    finally:
-        torch.set_num_threads(threads)
     assert tuning.stream_rows == GemvTuning().stream_rows and set(timings) == {"1", "6"}
     assert {rows for rows, _ in calls} == {1, 6}
     assert tuning.prefetch == 4096 and not tuning.prefetch_l2  # that one timing's best
-    torch.set_num_threads(2)  # two threads: 6 rows on both and on one
-    try:
+    with on_threads(2):  # two threads: 6 rows on both and on one
         tuning, timings = dispatch.tune_gemv(torch.float32, Probe())
-    finally:
-        torch.set_num_threads(threads)
     assert set(timings) == {"1", "6", "6" + dispatch.ONE_THREAD} and tuning.prefetch == 4096

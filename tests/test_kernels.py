@@ -31,6 +31,7 @@ from engine.core.config import ModelConfig, SchedulerConfig
 from engine.model.runner import ModelRunner
 from engine.core.plan import BatchPlan
 from engine.core.request import Request
+from tests.helpers import on_threads
 
 FEATURES = cpu_features()  # this CPU's, less the MINISERVE_CPU_FEATURES mask
 ENABLED = kernels.enabled()  # MINISERVE_KERNELS=0: none is built, whatever the CPU
@@ -165,17 +166,6 @@ def allowing(*features: bool) -> Iterator[None]:
 
 
 AVX2_ONLY = (True, False, False)  # as an AVX2-only CPU
-
-
-@contextmanager
-def on_threads(threads: int) -> Iterator[None]:
-    """torch's threads (the kernels' parallel_for) set to ``threads`` for the block, then as they were."""
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @needs("gemv", torch.float32)
