@@ -9,6 +9,14 @@ Same seeded weights (a second, stock copy of the model for transformers), dtype,
 Greedy, EOS disabled, so every system generates exactly the requested tokens (checked).
 Workloads: the seed burst, and 32 requests (prompts lognormal ~256, outputs lognormal ~64) as a burst.
 
+Beside every run, the machine's limit is probed (calibration.roofline's bandwidth and matmul
+probes, the fastest of 3) and the run is set against the workload's floor at those probes
+(``workload_floor_s``: all its FLOPs at the matmul rate, or its longest request's calls at the
+bandwidth): the least time any engine could take here, however it batched. A system's time over the
+floor is all it loses to this machine, and HF CB's caps engine_vs_hf_cb: no engine beats HF CB here by
+more than HF CB's own distance from the floor. Engine runs also show their own steps' roofline
+(each call at its roofline_s): what their schedule would take with every call at the limit.
+
 Each workload runs in ``--repeats`` rounds, every system once a round, so a spell of the shared host
 lands on one round's runs of every system rather than on one system's only run (a single long run
 once read 1.71 where the runs either side read 3.3-3.8). Throughput is each system's median; the
@@ -31,6 +39,7 @@ import time
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
+from calibration.roofline import BandwidthProbe, Machine, MatmulProbe, ModelShape, roofline_s, workload_floor_s
 from engine.core.config import ModelConfig, SchedulerConfig
 from engine.llm_engine import Engine
 from engine.model.loader import load_model
@@ -50,14 +59,14 @@ def fresh(requests: list[Request]) -> list[Request]:
     return [Request(r.request_id, list(r.prompt_token_ids), r.max_tokens) for r in requests]
 
 
-def run_engine(engine: Engine, sched: SchedulerConfig, requests: list[Request]) -> tuple[float, dict]:
+def run_engine(engine: Engine, sched: SchedulerConfig, requests: list[Request]) -> tuple[float, dict, list]:
     engine.reset(sched)
     result = engine.run(fresh(requests))
     outputs = {r.request_id: list(r.output_token_ids) for r in engine.core.state.finished[-len(requests):]}
-    return result.duration_s, outputs
+    return result.duration_s, outputs, [step.plan for step in result.steps]
 
 
-def run_hf_generate(model, sched: SchedulerConfig, requests: list[Request]) -> tuple[float, dict]:
+def run_hf_generate(model, sched: SchedulerConfig, requests: list[Request]) -> tuple[float, dict, None]:
     outputs = {}
     start = time.perf_counter()
     for g in range(0, len(requests), sched.max_num_seqs):
@@ -74,13 +83,13 @@ def run_hf_generate(model, sched: SchedulerConfig, requests: list[Request]) -> t
         assert out.shape[1] == width + new, "HF generate stopped early"
         for i, r in enumerate(group):
             outputs[r.request_id] = out[i, width:width + r.max_tokens].tolist()
-    return time.perf_counter() - start, outputs
+    return time.perf_counter() - start, outputs, None
 
 
 STALL_S = 600
 
 
-def run_hf_cb(model, sched: SchedulerConfig, requests: list[Request]) -> tuple[float, dict]:
+def run_hf_cb(model, sched: SchedulerConfig, requests: list[Request]) -> tuple[float, dict, None]:
     page = 64
     blocks = sum(-(-r.max_total_tokens // page) for r in requests) + sched.max_num_seqs
     manager = model.init_continuous_batching(
@@ -106,7 +115,7 @@ def run_hf_cb(model, sched: SchedulerConfig, requests: list[Request]) -> tuple[f
         duration = time.perf_counter() - start
     finally:
         manager.stop(block=True)
-    return duration, outputs
+    return duration, outputs, None
 
 
 def main() -> None:
@@ -130,6 +139,8 @@ def main() -> None:
     engine = Engine(SchedulerConfig(max_num_seqs=slots), model_config)
     model, _ = load_model(model_config)  # the same seeded weights, stock transformers modules
     model.set_attn_implementation("sdpa")
+    shape = ModelShape.of(model)
+    bandwidth, matmul = BandwidthProbe(model.dtype), MatmulProbe(model.dtype)
     vocab = engine.runner.vocab_size
     print(f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()} torch={torch.__version__}")
 
@@ -162,19 +173,29 @@ def main() -> None:
               f"max_num_batched_tokens={sched.max_num_batched_tokens}, {args.repeats} rounds")
         for fn in systems.values():
             fn(sched, warm)
-        times, outs = {name: [] for name in systems}, {}
+        lengths = [(r.num_prompt_tokens, r.max_tokens) for r in requests]
+        times, outs, over_floor = {name: [] for name in systems}, {}, {name: [] for name in systems}
         for round_ in range(args.repeats):
             for name, fn in systems.items():
-                t, out = fn(sched, requests)
+                t, out, plans = fn(sched, requests)
+                machine = Machine(bandwidth.measure(3), matmul.measure(3))  # the limit in this run's spell
                 got = {k: len(v) for k, v in out.items()}
                 assert got == want, f"{name} generated {sum(got.values())} tokens, want {total}"
                 times[name].append(t)
                 outs[name] = out
-                print(f"  round {round_ + 1}: {name:14s} {t:9.4f} s", flush=True)
+                floor = workload_floor_s(lengths, shape, machine)
+                over_floor[name].append(t / floor)
+                steps = (f", its steps' roofline {sum(roofline_s(p, shape, machine) for p in plans):.4g} s"
+                         if plans else "")
+                print(f"  round {round_ + 1}: {name:14s} {t:9.4f} s  {t / floor:5.2f}x the floor ({floor:.4g} s at "
+                      f"{machine.bandwidth_bytes_s / 1e9:.1f} GB/s, {machine.matmul_flops_s / 1e9:.1f} GFLOP/s{steps})",
+                      flush=True)
         tok_s = {name: total / statistics.median(ts) for name, ts in times.items()}
         for name, ts in times.items():
             print(f"  {name:14s} {tok_s[name]:8.1f} output tok/s  (median {statistics.median(ts):.2f} s, "
                   f"{min(ts):.2f}-{max(ts):.2f}; {total} tokens verified)")
+        print("  time over the workload's floor (median of rounds): " + ", ".join(
+            f"{name} {statistics.median(x):.2f}x" for name, x in over_floor.items()))
         ref = outs["engine CB"]
         for name in systems:
             same = sum(outs[name][k] == ref[k] for k in ref)
@@ -186,7 +207,8 @@ def main() -> None:
             rounds = [hf_s / engine_s for engine_s, hf_s in zip(times["engine CB"], times["HF CB"])]
             ratio[wname] = statistics.median(rounds)
             print(f"  engine CB / HF CB by round: {', '.join(f'{x:.2f}' for x in rounds)}; "
-                  f"median {ratio[wname]:.2f}")
+                  f"median {ratio[wname]:.2f}; the most any engine could reach here (HF CB's time over the floor): "
+                  f"{statistics.median(over_floor['HF CB']):.2f}")
     if ratio:
         key = "long" if "long" in ratio else next(iter(ratio))
         print(f"engine_vs_hf_cb={ratio[key]:.2f}")

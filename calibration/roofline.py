@@ -76,6 +76,29 @@ def roofline_s(plan: BatchPlan, shape: ModelShape, machine: Machine) -> float:
     return max(bytes_moved / machine.bandwidth_bytes_s, flops / machine.matmul_flops_s)
 
 
+def workload_floor_s(lengths: Sequence[tuple[int, int]], shape: ModelShape, machine: Machine) -> float:
+    """The least time any engine could serve requests of these (prompt tokens, output tokens) in
+    on this machine, however it batches them: all their FLOPs at the matmul rate, or the longest
+    request's calls (one per output token, each reading the weights) at the memory bandwidth,
+    whichever is longer. Every schedule does the same FLOPs (a chunk's ``call_work`` pairs and
+    samples add up to the request's whole), so a system's time over this floor is all it loses to
+    the machine — its batching, kernels and overhead together — and the floor over another
+    system's time caps how far ahead of that system any engine could be here."""
+    if not lengths:
+        return 0.0
+    flops = 0.0
+    for prompt, output in lengths:
+        if prompt < 1 or output < 1:
+            raise ValueError(f"a request needs a prompt and an output token, got ({prompt}, {output})")
+        fed = output - 1  # the last token is sampled, never fed back
+        pairs = prompt * (prompt + 1) / 2 + fed * prompt + fed * (fed + 1) / 2
+        flops += 2 * shape.dense_params * (prompt + fed) + 2 * shape.lm_head_params * output \
+            + shape.attn_flops_per_pair * pairs
+    calls = max(output for _, output in lengths)
+    weights = (shape.dense_params + shape.lm_head_params) * shape.bytes_per_param
+    return max(flops / machine.matmul_flops_s, calls * weights / machine.bandwidth_bytes_s)
+
+
 def best_s(fn: Callable[[], object], repeats: int = 5, device: Device = "cpu") -> float:
     """Fastest of ``repeats`` timed calls after one untimed: a machine's limit, not its noise. On a
     GPU a probe's call takes microseconds, less than a launch and a wait, so each timing covers a

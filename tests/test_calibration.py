@@ -16,13 +16,15 @@ from calibration.cost_model import FEATURES, PASS_EDGES, REGISTER_BLOCKS, SAMPLE
 from calibration.fit import Errors, fit_nnls, split_heldout, supported_knots
 from calibration.grid import GRID_SPECS, Shape, build_grid
 from calibration.profiler import Measurement, make_runner, step_overheads
-from calibration.roofline import GPU_CALLS, Machine, ModelShape, best_s, call_work, measure_machine, roofline_s
-from engine.core.config import ModelConfig
+from calibration.roofline import (GPU_CALLS, Machine, ModelShape, best_s, call_work, measure_machine, roofline_s,
+                                  workload_floor_s)
+from engine.core.config import ModelConfig, SchedulerConfig
 from engine.llm_engine import StepRecord
 from engine.model import kernels
 from engine.model.kernels.features import cpu_features
 from engine.model.loader import config_fingerprint
 from engine.core.plan import BatchPlan
+from tests.helpers import create_requests, drain
 
 
 def feature(plan: BatchPlan, name: str) -> float:
@@ -160,6 +162,30 @@ def test_roofline_counts_weights_kv_and_flops():
     pairs = (10 + 1) + (20 + 1) + 5 * (3 + 3) + 4 * (0 + 2.5)
     assert flops == 2 * 1000 * 11 + 2 * 500 * 3 + 16 * pairs
     assert roofline_s(hand_plan(), shape, Machine(1e3, 1e12)) == pytest.approx(bytes_moved / 1e3)
+
+
+@pytest.mark.parametrize("sched", [SchedulerConfig(name="serial", max_num_seqs=1),
+                                   SchedulerConfig(name="static", max_num_seqs=4),
+                                   SchedulerConfig(name="continuous", max_num_seqs=3, max_num_batched_tokens=8,
+                                                   long_prefill_token_threshold=5)])
+def test_a_workloads_floor_counts_the_flops_every_schedule_of_it_does(sched):
+    """However a scheduler batches and chunks them, the calls' FLOPs add up to the floor's: the
+    floor is schedule-free, so a system's time over it is all that system's loss."""
+
+    shape = ModelShape(dense_params=1000, lm_head_params=500, bytes_per_param=4, kv_bytes_per_token=8,
+                       attn_flops_per_pair=16)
+    requests = create_requests(5, prompt_len=11, outputs=[1, 4, 9, 2, 6])
+    lengths = [(r.num_prompt_tokens, r.max_tokens) for r in requests]
+    plans, _ = drain(sched, requests)
+    flops = sum(call_work(p, shape)[1] for p in plans)
+    compute_bound = Machine(bandwidth_bytes_s=1e30, matmul_flops_s=1e6)
+    assert workload_floor_s(lengths, shape, compute_bound) == pytest.approx(flops / 1e6)
+    # memory-bound: the longest request's 9 calls each read the weights once
+    memory_bound = Machine(bandwidth_bytes_s=1e3, matmul_flops_s=1e30)
+    assert workload_floor_s(lengths, shape, memory_bound) == pytest.approx(9 * 1500 * 4 / 1e3)
+    assert sum(roofline_s(p, shape, memory_bound) for p in plans) >= workload_floor_s(lengths, shape, memory_bound)
+    with pytest.raises(ValueError, match="output token"):
+        workload_floor_s([(11, 0)], shape, compute_bound)
 
 
 def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tiny_calibration):
