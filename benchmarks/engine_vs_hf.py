@@ -9,13 +9,14 @@ Same seeded weights (a second, stock copy of the model for transformers), dtype,
 Greedy, EOS disabled, so every system generates exactly the requested tokens (checked).
 Workloads: the seed burst, and 32 requests (prompts lognormal ~256, outputs lognormal ~64) as a burst.
 
-Beside every run, the machine's limit is probed (calibration.roofline's bandwidth and matmul
-probes, the fastest of 3) and the run is set against the workload's floor at those probes
+After every run the machine's limit is probed (calibration.roofline's bandwidth and matmul probes,
+the fastest of 3) and the run is set against the workload's floor at those rates
 (``workload_floor_s``: all its FLOPs at the matmul rate, or its longest request's calls at the
-bandwidth): the least time any engine could take here, however it batched. A system's time over the
-floor is all it loses to this machine, and HF CB's caps engine_vs_hf_cb: no engine beats HF CB here by
-more than HF CB's own distance from the floor. Engine runs also show their own steps' roofline
-(each call at its roofline_s): what their schedule would take with every call at the limit.
+bandwidth): about the least time an engine could take here, however it batched. A system's time
+over the floor is what it loses to this machine, and HF CB's is about the most engine_vs_hf_cb could
+read here (an engine at the floor; approximate, since a call can beat a probe taken in a slow
+moment). Engine runs also show their own steps' roofline (each call at its roofline_s): what
+their schedule would take with every call at the limit.
 
 Each workload runs in ``--repeats`` rounds, every system once a round, so a spell of the shared host
 lands on one round's runs of every system rather than on one system's only run (a single long run
@@ -178,7 +179,7 @@ def main() -> None:
         for round_ in range(args.repeats):
             for name, fn in systems.items():
                 t, out, plans = fn(sched, requests)
-                machine = Machine(bandwidth.measure(3), matmul.measure(3))  # the limit in this run's spell
+                machine = Machine(bandwidth.measure(3), matmul.measure(3))  # the limit, just after the run
                 got = {k: len(v) for k, v in out.items()}
                 assert got == want, f"{name} generated {sum(got.values())} tokens, want {total}"
                 times[name].append(t)
@@ -207,7 +208,7 @@ def main() -> None:
             rounds = [hf_s / engine_s for engine_s, hf_s in zip(times["engine CB"], times["HF CB"])]
             ratio[wname] = statistics.median(rounds)
             print(f"  engine CB / HF CB by round: {', '.join(f'{x:.2f}' for x in rounds)}; "
-                  f"median {ratio[wname]:.2f}; the most any engine could reach here (HF CB's time over the floor): "
+                  f"median {ratio[wname]:.2f}; an engine at the floor would read (HF CB's time over it): "
                   f"{statistics.median(over_floor['HF CB']):.2f}")
     if ratio:
         key = "long" if "long" in ratio else next(iter(ratio))

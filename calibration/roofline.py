@@ -77,13 +77,15 @@ def roofline_s(plan: BatchPlan, shape: ModelShape, machine: Machine) -> float:
 
 
 def workload_floor_s(lengths: Sequence[tuple[int, int]], shape: ModelShape, machine: Machine) -> float:
-    """The least time any engine could serve requests of these (prompt tokens, output tokens) in
-    on this machine, however it batches them: all their FLOPs at the matmul rate, or the longest
-    request's calls (one per output token, each reading the weights) at the memory bandwidth,
-    whichever is longer. Every schedule does the same FLOPs (a chunk's ``call_work`` pairs and
-    samples add up to the request's whole), so a system's time over this floor is all it loses to
-    the machine — its batching, kernels and overhead together — and the floor over another
-    system's time caps how far ahead of that system any engine could be here."""
+    """The least time an engine could take over requests of these (prompt tokens, output tokens)
+    on a machine of these rates, however it batched them: all their FLOPs at the matmul rate, or
+    the longest request's calls (one per output token, each reading the weights) at the memory
+    bandwidth, whichever is longer. Every schedule that computes each token once (no recompute
+    after a preemption, no prefix-cache hits, one token per call) does the same FLOPs: a chunk's
+    ``call_work`` pairs and samples add up to the request's whole. So a system's time over it is
+    what that system loses to the machine — its batching, kernels and overhead together — and
+    another system's time over it is about the most any engine could be ahead of that one here.
+    About: the rates are probes', and a call can beat a probe taken in a slow moment."""
     if not lengths:
         return 0.0
     flops = 0.0
