@@ -2,6 +2,7 @@
 cleanly, and the two that issue figures come from (roofline, engine vs transformers) must run end
 to end on the tiny model."""
 
+import re
 import subprocess
 import sys
 import warnings
@@ -40,12 +41,15 @@ def test_engine_vs_hf_pairs_its_ratio_by_round():
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
-    times = {}  # (round, system) -> seconds, as printed
+    times, over_floor = {}, {}  # (round, system) -> seconds, and its time over the workload's floor, as printed
     for line in lines:
-        if line.lstrip().startswith("round "):
-            head, system_s = line.split(":", 1)
-            system, seconds = system_s.rsplit(None, 2)[0].strip(), float(system_s.split()[-2])
-            times[int(head.split()[1]), system] = seconds
+        run = re.match(r"\s*round (\d+): (.+?)\s+([\d.]+) s\s+([\d.]+)x the floor \(([\d.e+-]+) s at", line)
+        if run:
+            key = int(run[1]), run[2]
+            times[key], over_floor[key] = float(run[3]), float(run[4])
+            floor = float(run[5])
+            assert over_floor[key] == pytest.approx(times[key] / floor, rel=0.02, abs=0.01)
+            assert ("its steps' roofline" in line) == (run[2] == "engine CB")  # only the engine's steps are known
     assert len(times) == 6  # 3 rounds of 2 systems
     by_round = next(line for line in lines if "by round:" in line)
     printed = [float(x) for x in by_round.split("by round:")[1].split(";")[0].split(",")]
