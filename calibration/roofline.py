@@ -92,10 +92,11 @@ def workload_floor_s(lengths: Sequence[tuple[int, int]], shape: ModelShape, mach
     for prompt, output in lengths:
         if prompt < 1 or output < 1:
             raise ValueError(f"a request needs a prompt and an output token, got ({prompt}, {output})")
-        fed = output - 1  # the last token is sampled, never fed back
-        pairs = prompt * (prompt + 1) / 2 + fed * prompt + fed * (fed + 1) / 2
-        flops += 2 * shape.dense_params * (prompt + fed) + 2 * shape.lm_head_params * output \
-            + shape.attn_flops_per_pair * pairs
+        # the request's calls as the entries of one plan, so call_work counts them as any call:
+        # its prefill, then each fed-back token at its context (the last one is sampled, never fed)
+        served = BatchPlan.of("floor", [f"call{j}" for j in range(output)], [prompt] + [1] * (output - 1),
+                              [0] + [prompt + j for j in range(output - 1)], [True] * output, 0)
+        flops += call_work(served, shape)[1]
     calls = max(output for _, output in lengths)
     weights = (shape.dense_params + shape.lm_head_params) * shape.bytes_per_param
     return max(flops / machine.matmul_flops_s, calls * weights / machine.bandwidth_bytes_s)
