@@ -565,7 +565,7 @@ def test_bf16_attention_with_and_without_bf16_dot_products(d):
 @pytest.mark.parametrize("d", [16, 32, 64, 128])
 @pytest.mark.parametrize("heads", [14, 10, 22])  # groups of 7, 5, 11: every remainder of the AVX2 head blocks
 def test_fp32_attention_in_avx2_and_avx512_forms(d, heads):
-    # the AVX2 form (8 lanes: blocks of 8 keys, 12 value accumulators, 16 KB value blocks) runs on
+    # the AVX2 form (8 lanes: scores of 3 heads × 4 keys, 12 value accumulators, 16 KB value blocks) runs on
     # AVX2-only CPUs and, switched to, on AVX-512 ones: exact attention up to rounding on a prefill
     # chunk's rows and on decodes beside it (300 keys: several value blocks at every head dim)
     case = _chunk_and_decodes(torch.float32, d, heads, 300)

@@ -30,9 +30,10 @@
 // ask for nothing.
 //
 // Where the CPU has AVX2 but no AVX-512, fp32 runs the same three passes in 8 lanes
-// (attend_task_avx2): 16 registers hold 12 value accumulators, so a group of heads takes several
-// passes over its values, which go in 16 KB blocks that stay in L1 for every pass (each output's
-// sum still in key order). It asks for nothing ahead.
+// (attend_task_avx2): the scores three heads × four keys at a time (12 accumulators; each key
+// loaded once for the three), and 16 registers hold 12 value accumulators, so a group of heads
+// takes several passes over its values, which go in 16 KB blocks that stay in L1 for every pass
+// (each output's sum still in key order). It asks for nothing ahead.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -300,39 +301,58 @@ MINISERVE_TARGET void attend_task(const T* qg, const T* k, const T* v, int64_t L
 
 // ---- the fp32 task in AVX2 (CPUs without AVX-512): the same three passes in 8-lane vectors ----
 
-// r[i] = Σ lanes of a[i], for 8 vectors (two levels of pairwise horizontal sums, then the halves)
-MINISERVE_TARGET_AVX2 inline __m256 sum8(const __m256* a) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
 MINISERVE_TARGET_AVX2 inline float reduce_max8(__m256 v) {
   const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
 }
 
-// scores_of in 8 lanes (NV vectors of 8 per key; q already scaled): keys in blocks of 8, each
-// head's 8 dot products kept as vectors until one transposing sum
+// r[i] = Σ lanes of a[i], for 4 vectors (two levels of pairwise horizontal sums, then the halves)
+MINISERVE_TARGET_AVX2 inline __m128 sum4(const __m256* a) {
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+// scores of GH heads (g0..) against 4 keys (kb: the first's NV vectors): each head's chunk c of q
+// in a register, each key's chunk c loaded once for all GH heads (12 FMAs per 7 loads at GH = 3;
+// one head at a time took a load per FMA, the bound of Zen's two 128-bit load ports)
+template <int NV, int GH>
+MINISERVE_TARGET_AVX2 inline void scores_block_avx2(const float* q, const float* kb, int64_t L, int g0, int64_t j0,
+                                                    float* scores) {
+  __m256 acc[GH][4];
+#pragma GCC unroll 3
+  for (int g = 0; g < GH; ++g)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
+  for (int c = 0; c < NV; ++c) {
+    __m256 qc[GH];
+#pragma GCC unroll 3
+    for (int g = 0; g < GH; ++g) qc[g] = _mm256_loadu_ps(q + (g0 + g) * NV * 8 + c * 8);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kj = _mm256_loadu_ps(kb + j * NV * 8 + c * 8);
+#pragma GCC unroll 3
+      for (int g = 0; g < GH; ++g) acc[g][j] = _mm256_fmadd_ps(qc[g], kj, acc[g][j]);
+    }
+  }
+#pragma GCC unroll 3
+  for (int g = 0; g < GH; ++g) _mm_storeu_ps(scores + (g0 + g) * L + j0, sum4(acc[g]));
+}
+
+// scores_of in 8 lanes (NV vectors of 8 per key; q already scaled): keys in blocks of 4 (1 KB at
+// D = 64, in L1 across the group's heads), heads three at a time; each score one FMA chain per
+// lane in dimension order, then one transposing sum, as before the blocking
 template <int NV>
 MINISERVE_TARGET_AVX2 void scores_of_avx2(const float* q, const float* k, int64_t L, int G, float* scores) {
   int64_t j0 = 0;
-  for (; j0 + 8 <= L; j0 += 8) {
+  for (; j0 + 4 <= L; j0 += 4) {
     const float* kb = k + j0 * NV * 8;
-    for (int g = 0; g < G; ++g) {
-      __m256 acc[8];
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int c = 0; c < NV; ++c) {
-        const __m256 qc = _mm256_loadu_ps(q + g * NV * 8 + c * 8);
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kb + j * NV * 8 + c * 8), acc[j]);
-      }
-      _mm256_storeu_ps(scores + g * L + j0, sum8(acc));
-    }
+    int g = 0;
+    for (; g + 3 <= G; g += 3) scores_block_avx2<NV, 3>(q, kb, L, g, j0, scores);
+    if (G - g == 2) scores_block_avx2<NV, 2>(q, kb, L, g, j0, scores);
+    if (G - g == 1) scores_block_avx2<NV, 1>(q, kb, L, g, j0, scores);
   }
-  for (int64_t j = j0; j < L; ++j) {  // the last L % 8 keys, one at a time
+  for (int64_t j = j0; j < L; ++j) {  // the last L % 4 keys, one at a time
     for (int g = 0; g < G; ++g) {
       __m256 acc = _mm256_setzero_ps();
       for (int c = 0; c < NV; ++c)
