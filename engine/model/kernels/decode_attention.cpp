@@ -30,7 +30,7 @@
 // ask for nothing.
 //
 // Where the CPU has AVX2 but no AVX-512, fp32 runs the same three passes in 8 lanes
-// (attend_task_avx2): the scores three heads × four keys at a time (12 accumulators; each key
+// (attend_task_avx2): the scores go three heads × four keys at a time (12 accumulators; each key
 // loaded once for the three), and 16 registers hold 12 value accumulators, so a group of heads
 // takes several passes over its values, which go in 16 KB blocks that stay in L1 for every pass
 // (each output's sum still in key order). It asks for nothing ahead.
@@ -315,7 +315,7 @@ MINISERVE_TARGET_AVX2 inline __m128 sum4(const __m256* a) {
 
 // scores of GH heads (g0..) against 4 keys (kb: the first's NV vectors): each head's chunk c of q
 // in a register, each key's chunk c loaded once for all GH heads (12 FMAs per 7 loads at GH = 3;
-// one head at a time took a load per FMA, the bound of Zen's two 128-bit load ports)
+// one head at a time took a load per FMA, the bound of Zen 1's two 128-bit load ports)
 template <int NV, int GH>
 MINISERVE_TARGET_AVX2 inline void scores_block_avx2(const float* q, const float* kb, int64_t L, int g0, int64_t j0,
                                                     float* scores) {
