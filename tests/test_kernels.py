@@ -563,8 +563,8 @@ def test_bf16_attention_with_and_without_bf16_dot_products(d):
 
 @needs("decode_attention", torch.float32)
 @pytest.mark.parametrize("d", [16, 32, 64, 128])
-# groups of 7, 5, 11, 6, 8: every remainder of the AVX2 score blocks (3 heads) and value blocks (3 heads; 6 at d=16)
-@pytest.mark.parametrize("heads", [14, 10, 22, 12, 16])
+# groups of 7, 5, 11, 6, 8, 9, 10: every remainder of the AVX2 score blocks (3 heads) and value blocks (3; 6 at d=16)
+@pytest.mark.parametrize("heads", [14, 10, 22, 12, 16, 18, 20])
 def test_fp32_attention_in_avx2_and_avx512_forms(d, heads):
     # the AVX2 form (8 lanes: scores of 3 heads × 4 keys, 12 value accumulators, 16 KB value blocks) runs on
     # AVX2-only CPUs and, switched to, on AVX-512 ones: exact attention up to rounding on a prefill
