@@ -181,8 +181,8 @@ def main() -> None:
         print(f"\n{d}: where a call's time goes (one profiled call; the profiler adds a little to 'rest')")
         print(f"{d}: {'shape':12s} {'linears':>8s} {'attention':>10s} {'rest':>6s}   linears' own rate")
         for name, (plan, (linear, attention, total)) in splits.items():
-            weight_bytes = (shape.dense_params + (shape.lm_head_params if plan.num_samples else 0)) * shape.bytes_per_param
-            linear_flops = 2 * shape.dense_params * plan.total_tokens + 2 * shape.lm_head_params * plan.num_samples
+            weight_bytes = shape.weight_bytes(plan.num_samples > 0)
+            linear_flops = shape.linear_flops(plan.total_tokens, plan.num_samples)
             rest = max(0.0, total - linear - attention)
             print(f"{d}: {name:12s} {linear / total:8.0%} {attention / total:10.0%} {rest / total:6.0%}   "
                   + (f"{weight_bytes / linear / 1e9:5.1f} GB/s of weights, {linear_flops / linear / 1e9:5.0f} GFLOP/s"

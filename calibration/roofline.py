@@ -46,6 +46,14 @@ class ModelShape:
         return cls(dense, lm, bpp, 2 * layers * cfg.num_key_value_heads * head_dim * bpp,
                    4 * layers * cfg.num_attention_heads * head_dim)
 
+    def weight_bytes(self, sampled: bool) -> int:
+        """The weights one call reads: the decoder layers always, the lm_head only when it samples."""
+        return (self.dense_params + (self.lm_head_params if sampled else 0)) * self.bytes_per_param
+
+    def linear_flops(self, tokens: int, sampled: int) -> int:
+        """The products' FLOPs of a call of ``tokens`` tokens with ``sampled`` sampled rows."""
+        return 2 * self.dense_params * tokens + 2 * self.lm_head_params * sampled
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -65,9 +73,8 @@ def call_work(plan: BatchPlan, shape: ModelShape) -> tuple[float, float]:
     sampled = plan.num_samples
     kv_read = sum(c + n for n, c in zip(plan.num_tokens, plan.context_lens))
     pairs = sum(n * (c + (n + 1) / 2) for n, c in zip(plan.num_tokens, plan.context_lens))
-    bytes_moved = (shape.dense_params + (shape.lm_head_params if sampled else 0)) * shape.bytes_per_param \
-        + (kv_read + tokens) * shape.kv_bytes_per_token
-    flops = 2 * shape.dense_params * tokens + 2 * shape.lm_head_params * sampled + shape.attn_flops_per_pair * pairs
+    bytes_moved = shape.weight_bytes(sampled > 0) + (kv_read + tokens) * shape.kv_bytes_per_token
+    flops = shape.linear_flops(tokens, sampled) + shape.attn_flops_per_pair * pairs
     return bytes_moved, flops
 
 
@@ -98,8 +105,7 @@ def workload_floor_s(lengths: Sequence[tuple[int, int]], shape: ModelShape, mach
                               [0] + [prompt + j for j in range(output - 1)], [True] * output, 0)
         flops += call_work(served, shape)[1]
     calls = max(output for _, output in lengths)
-    weights = (shape.dense_params + shape.lm_head_params) * shape.bytes_per_param
-    return max(flops / machine.matmul_flops_s, calls * weights / machine.bandwidth_bytes_s)
+    return max(flops / machine.matmul_flops_s, calls * shape.weight_bytes(True) / machine.bandwidth_bytes_s)
 
 
 def best_s(fn: Callable[[], object], repeats: int = 5, device: Device = "cpu") -> float:
