@@ -6,7 +6,7 @@
 2. One layer's attention for one prefill chunk of N tokens after C cached ones (the kernel: one row
    per token; SDPA: causal over the chunk's slot), alternating the same way.
 3. Whole decode calls through ModelRunner, the kernel switched off and on call by call
-   (benchmarks/calls.py): B=1, 8, 32 at context 256, and B=8 at context 1024.
+   (benchmarks/calls.py): B=1, 8, 32 at context 256, B=8 at context 1024 and B=1 at 4096.
 
     flock /tmp/miniserve-bench.lock python benchmarks/decode_attention.py [--dtypes float32,bfloat16]
 """
@@ -24,7 +24,7 @@ from engine.model.attention import KERNEL_PHASES, RaggedBatch, ragged_attention
 from engine.model.runner import ModelRunner
 
 LAYER_SHAPES = [(1, 256), (8, 256), (32, 256), (8, 1024), (32, 1024), (1, 4096)]  # (requests, context)
-CALL_SHAPES = [(1, 256), (8, 256), (32, 256), (8, 1024)]
+CALL_SHAPES = [(1, 256), (8, 256), (32, 256), (8, 1024), (1, 4096)]
 CHUNK_SHAPES = [(128, 0), (512, 0), (256, 256)]  # (chunk tokens, cached context)
 
 

@@ -494,13 +494,14 @@ void attend(const T* q, const T* ks, const T* vs, const int64_t* slots, const in
     auto chunk_row = [&](int64_t r) {  // a row of a prefill chunk: a neighbouring row shares its slot
       return (r > 0 && slots[r - 1] == slots[r]) || (r + 1 < rows && slots[r + 1] == slots[r]);
     };
-    // a thread claims its next run as it starts the last task of this one, so that task knows
-    // which keys to ask for next
-    for (int64_t run = next_run.fetch_add(1, std::memory_order_relaxed); run < runs;) {
+    // a run is claimed only when the thread is free for it; the last task of a run asks for the keys
+    // of the run no thread has claimed yet (most often the one this thread takes next; a hint, not a
+    // claim: claiming it then let the first thread to start hold both of a single decode's two
+    // tasks, and the other thread sat idle)
+    for (int64_t run = next_run.fetch_add(1, std::memory_order_relaxed); run < runs;
+         run = next_run.fetch_add(1, std::memory_order_relaxed)) {
       const int64_t t0 = bounds[run], t1 = bounds[run + 1];
-      int64_t following = t0 < t1 ? runs : next_run.fetch_add(1, std::memory_order_relaxed);
       for (int64_t t = t0; t < t1; ++t) {
-        if (t + 1 == t1) following = next_run.fetch_add(1, std::memory_order_relaxed);
         const int64_t r = t / kv_heads, h = t % kv_heads;
         const int64_t kv = kv_of(t), qo = (r * heads + h * G) * D;
         if constexpr (std::is_same_v<T, float>) {
@@ -511,7 +512,8 @@ void attend(const T* q, const T* ks, const T* vs, const int64_t* slots, const in
         }
         // the next task's keys are asked for during this one's value pass, as far as this task has
         // keys; not within a prefill chunk, whose rows share their slot's keys (in cache already)
-        const int64_t tn = t + 1 < t1 ? t + 1 : following < runs ? bounds[following] : tasks;
+        const int64_t unclaimed = t + 1 < t1 ? runs : next_run.load(std::memory_order_relaxed);
+        const int64_t tn = t + 1 < t1 ? t + 1 : unclaimed < runs ? bounds[unclaimed] : tasks;
         const T* next_k = nullptr;
         int64_t next_len = 0;
         if (tn < tasks) {
@@ -521,7 +523,6 @@ void attend(const T* q, const T* ks, const T* vs, const int64_t* slots, const in
         attend_task<NC, GB>(q + qo, ks + kv, vs + kv, lens[r], G, scale, out + qo, !chunk_row(r), next_k, next_len,
                             dp, qf, scores, inv_sum);
       }
-      run = following;
     }
   });
 }
