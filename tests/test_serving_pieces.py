@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from engine.core.request import Request
 from engine.core.sampling import SamplingParams
+from engine.model import sampler
 from engine.model.sampler import filtered_probs, sample
 from engine.model.tokenizer import byte_tokenizer
 from engine.serving.app import _tokenize
@@ -58,6 +59,58 @@ def test_sampling_with_a_seed_repeats_and_greedy_is_argmax():
 def test_top_p_keeps_the_smallest_set_reaching_p():
     probs = filtered_probs(torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])), SamplingParams(temperature=1.0, top_p=0.7))
     assert probs.tolist()[2:] == [0.0, 0.0] and probs[0] > 0 and probs[1] > 0
+
+
+def _nucleus_by_sorting(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The definition, over the whole sorted vocabulary (what the sampler did before it probed)."""
+    x = (row - row.max()) / params.temperature
+    if 0 < params.top_k < x.numel():
+        x = x.masked_fill(x < torch.topk(x, params.top_k).values[-1], float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    sorted_p, order = torch.sort(probs, descending=True)
+    drop = torch.cumsum(sorted_p, dim=-1) - sorted_p >= params.top_p
+    return probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
+
+
+@pytest.mark.parametrize("spread", [4.0, 3.0, 1.0, 0.1])  # a nucleus of ~100 tokens, ~800, ~78k, ~133k
+@pytest.mark.parametrize("top_k", [0, 3000])
+def test_top_p_without_sorting_the_vocabulary_keeps_what_sorting_it_keeps(spread, top_k):
+    row = torch.randn(151936, generator=torch.Generator().manual_seed(int(spread))) * spread
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=top_k)
+    got, want = filtered_probs(row, params), _nucleus_by_sorting(row, params)
+    kept = int((want > 0).sum())
+    if top_k == 0:  # the spreads reach both ways of finding the set: among the probe's tokens, the radix select
+        assert (kept <= sampler.NUCLEUS_PROBE) == (spread == 4.0)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
+
+
+def test_draws_follow_the_kept_distribution_and_never_a_dropped_token():
+    """Inverse-CDF draws, one seed each: every kept token about as often as its probability says
+    (within 5 standard deviations), a token top-p dropped never."""
+    row = torch.log(torch.tensor([0.3, 0.0, 0.25, 0.2, 0.1, 0.08, 0.05, 0.02]))
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=s) for s in range(4000)]
+    counts = torch.bincount(torch.tensor(sample(row.expand(len(params), -1), [Request(f"d{i}", [1], 4, sampling=p)
+                                                                              for i, p in enumerate(params)],
+                                                lambda x: x.argmax(-1))), minlength=8)
+    probs = filtered_probs(row, params[0])
+    assert probs[1] == 0 and probs[6] == 0 and probs[7] == 0  # impossible, and past the nucleus
+    assert counts[1] == counts[6] == counts[7] == 0
+    expected = probs / probs.sum() * len(params)
+    sd = (expected * (1 - probs / probs.sum())).sqrt()
+    assert ((counts - expected).abs() <= 5 * sd + 1e-9).all(), (counts.tolist(), expected.tolist())
+
+
+def test_draws_from_a_wide_nucleus_take_only_its_tokens():
+    """Past the probe the nucleus is a threshold over the whole vocabulary (weights 0 below it): a
+    thousand nearly equal tokens at top_p=0.5 keep about half, and 400 seeded draws land only there."""
+    row = torch.randn(1000, generator=torch.Generator().manual_seed(5)) * 0.3
+    params = [SamplingParams(temperature=1.0, top_p=0.5, seed=s) for s in range(400)]
+    probs = filtered_probs(row, params[0])
+    assert sampler.NUCLEUS_PROBE < int((probs > 0).sum()) < 1000
+    drawn = sample(row.expand(len(params), -1), [Request(f"w{i}", [1], 4, sampling=p) for i, p in enumerate(params)],
+                   lambda x: x.argmax(-1))
+    assert all(probs[t] > 0 for t in drawn) and len(set(drawn)) > 100
 
 
 def test_logprobs_are_recorded_per_sampled_token():
