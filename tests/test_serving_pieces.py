@@ -85,6 +85,16 @@ def test_top_p_without_sorting_the_vocabulary_keeps_what_sorting_it_keeps(spread
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.parametrize("top_p", [0.9999999, 1 - 1e-12])
+def test_top_p_above_what_the_probabilities_sum_to_keeps_every_token(top_p):
+    """A flat row's float32 probabilities sum to a little under 1: no threshold reaches such a
+    top_p, and the select once came back empty and raised, failing the step of every request in it."""
+    row = torch.randn(151936, generator=torch.Generator().manual_seed(3)) * 0.1
+    params = SamplingParams(temperature=1.0, top_p=top_p, seed=0)
+    assert bool((filtered_probs(row, params) > 0).all())
+    assert 0 <= sample(row[None], [Request("n", [1], 4, sampling=params)], lambda x: x.argmax(-1))[0] < 151936
+
+
 def test_draws_follow_the_kept_distribution_and_never_a_dropped_token():
     """Inverse-CDF draws, one seed each: every kept token about as often as its probability says
     (within 5 standard deviations), a token top-p dropped never."""

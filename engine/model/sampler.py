@@ -56,7 +56,7 @@ _DIGITS = ((23, 0xFF), (15, 0xFF), (7, 0xFF), (0, 0x7F))
 
 def kept_tokens(row: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The tokens a draw chooses among and their weights (the probabilities, not renormalised):
-    logits / temperature, then the top-k most likely, then top-p (nucleus); ``ids`` None means the
+    logits / temperature, then the top-k most likely (exactly k where the k-th is tied), then top-p (nucleus); ``ids`` None means the
     whole vocabulary, weights indexed by token (0 for a dropped one). The row's maximum comes off
     before the division: any temperature the API accepts (> 0, however small) then leaves the most
     likely token at 0 and the rest finite or -inf, never inf - inf (a NaN the draw would raise on,
@@ -86,8 +86,8 @@ def kept_tokens(row: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor
 def _nucleus_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """The probability t with less than top_p of the mass above it and at least top_p at or above
     it: the nucleus is every token with p >= t (ties at t all kept). A radix select on the bits,
-    8 at a time: each digit's mass among the candidates left, then only the digit where the mass
-    from the top reaches top_p."""
+    8 at a time (7 for the last): each digit's mass among the candidates left, then only the digit
+    where the mass from the top reaches top_p."""
     acc = _accumulator(probs.device)
     cand_bits, cand_p = probs.view(torch.int32), probs.to(acc)
     above = 0.0  # the mass of the tokens more likely than every candidate
@@ -95,7 +95,10 @@ def _nucleus_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         digit = (cand_bits >> shift) & mask
         mass = torch.zeros(mask + 1, dtype=acc, device=probs.device).index_add_(0, digit, cand_p)
         at_least = mass.flip(0).cumsum(0).flip(0) + above  # the mass at this digit or higher
-        d = max(0, int((at_least >= top_p).sum()) - 1)  # the highest digit reaching top_p
+        reach = at_least >= top_p
+        # the highest digit reaching top_p; none does where the float32 probabilities sum to less
+        # than a top_p near 1: then the lowest, and so on down, so every token is kept
+        d = int(reach.sum()) - 1 if bool(reach.any()) else int(digit.min())
         if d < mask:
             above = float(at_least[d + 1])
         inside = torch.nonzero(digit == d).squeeze(1)
@@ -110,7 +113,8 @@ def _accumulator(device: torch.device) -> torch.dtype:
 def filtered_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a draw uses over the whole vocabulary (kept_tokens' weights, 0 elsewhere)."""
     ids, weights = kept_tokens(row, params)
-    return weights if ids is None else torch.zeros(row.numel(), device=row.device).index_put_((ids,), weights)
+    return weights if ids is None else torch.zeros(row.numel(), dtype=weights.dtype, device=row.device).index_put_(
+        (ids,), weights)
 
 
 def _draw(row: torch.Tensor, params: SamplingParams, index: int) -> int:
