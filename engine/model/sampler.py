@@ -56,13 +56,13 @@ _DIGITS = ((23, 0xFF), (15, 0xFF), (7, 0xFF), (0, 0x7F))
 
 def kept_tokens(row: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The tokens a draw chooses among and their weights (the probabilities, not renormalised):
-    logits / temperature, then the top-k most likely (exactly k where the k-th is tied), then top-p (nucleus); ``ids`` None means the
-    whole vocabulary, weights indexed by token (0 for a dropped one). The row's maximum comes off
-    before the division: any temperature the API accepts (> 0, however small) then leaves the most
-    likely token at 0 and the rest finite or -inf, never inf - inf (a NaN the draw would raise on,
-    failing the step of every request in it). No sort of the whole vocabulary (18 ms a row of
-    152k on a CPU): the nucleus is looked for among the most likely few hundred, else selected by
-    its probability threshold (docs/architecture.md)."""
+    logits / temperature, then the top-k most likely (exactly k where the k-th is tied), then top-p
+    (nucleus); ``ids`` None means the whole vocabulary, weights indexed by token (0 for a dropped
+    one). The row's maximum comes off before the division: any temperature the API accepts (> 0,
+    however small) then leaves the most likely token at 0 and the rest finite or -inf, never
+    inf - inf (a NaN the draw would raise on, failing the step of every request in it). No sort of
+    the whole vocabulary (the slowest part of a sampled row on a CPU, docs/architecture.md): the
+    nucleus is looked for among the most likely few hundred, else selected by its threshold."""
     x = row.float()
     x = (x - x.max()) / params.temperature
     ids = None
@@ -113,18 +113,20 @@ def _accumulator(device: torch.device) -> torch.dtype:
 def filtered_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a draw uses over the whole vocabulary (kept_tokens' weights, 0 elsewhere)."""
     ids, weights = kept_tokens(row, params)
-    return weights if ids is None else torch.zeros(row.numel(), dtype=weights.dtype, device=row.device).index_put_(
-        (ids,), weights)
+    if ids is None:
+        return weights
+    return torch.zeros(row.numel(), dtype=weights.dtype, device=row.device).index_put_((ids,), weights)
 
 
 def _draw(row: torch.Tensor, params: SamplingParams, index: int) -> int:
-    """One token by inverse CDF: a single uniform draw against the kept weights' running sum.
-    torch.multinomial drew an exponential per vocabulary entry (5-6 ms a row of 152k on a CPU)."""
+    """One token by inverse CDF: a single uniform draw against the kept weights' running sum
+    (torch.multinomial draws an exponential per vocabulary entry)."""
     ids, weights = kept_tokens(row, params)
     acc = _accumulator(row.device)
     cdf = torch.cumsum(weights, dim=-1, dtype=acc)
     u = torch.rand(1, generator=_generator(params, index, row.device), device=row.device, dtype=acc)
-    # the first entry whose running sum passes u: a zero weight's sum equals its predecessor's, never chosen
+    # the first entry whose running sum passes u: a zero weight's sum equals its predecessor's, so
+    # it is never chosen
     i = torch.searchsorted(cdf, u * cdf[-1], right=True).clamp_(max=cdf.numel() - 1)
     return int((i if ids is None else ids[i]).item())
 
