@@ -512,8 +512,11 @@ void attend(const T* q, const T* ks, const T* vs, const int64_t* slots, const in
         }
         // the next task's keys are asked for during this one's value pass, as far as this task has
         // keys; not within a prefill chunk, whose rows share their slot's keys (in cache already)
-        const int64_t unclaimed = t + 1 < t1 ? runs : next_run.load(std::memory_order_relaxed);
-        const int64_t tn = t + 1 < t1 ? t + 1 : unclaimed < runs ? bounds[unclaimed] : tasks;
+        int64_t tn = t + 1;
+        if (tn == t1) {
+          const int64_t unclaimed = next_run.load(std::memory_order_relaxed);
+          tn = unclaimed < runs ? bounds[unclaimed] : tasks;
+        }
         const T* next_k = nullptr;
         int64_t next_len = 0;
         if (tn < tasks) {
