@@ -71,15 +71,15 @@ def kept_tokens(row: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor
     probs = torch.softmax(x, dim=-1)
     if params.top_p >= 1.0:
         return ids, probs
-    if ids is None and probs.numel() > NUCLEUS_PROBE:
-        values, top = torch.topk(probs, NUCLEUS_PROBE)
-        if torch.cumsum(values, dim=-1)[-1] < params.top_p:  # a wide nucleus
-            return None, torch.where(probs >= _nucleus_threshold(probs, params.top_p), probs, 0.0)
-        probs, ids = values, top
-    elif ids is None:
-        probs, ids = torch.sort(probs, descending=True)
-    before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly more likely tokens
-    keep = before < params.top_p  # the smallest set reaching top_p (never empty: before[0] is 0)
+    every = probs if ids is None else None  # the whole vocabulary's, unless top-k cut it
+    if every is not None:
+        probs, ids = torch.topk(every, min(NUCLEUS_PROBE, every.numel()))
+    mass = torch.cumsum(probs, dim=-1)
+    if every is not None and mass[-1] < params.top_p:  # a nucleus wider than the probe
+        return None, torch.where(every >= _nucleus_threshold(every, params.top_p), every, 0.0)
+    # a token stays while the mass of strictly more likely ones is under top_p: the smallest set
+    # reaching top_p (never empty: the first token's is 0)
+    keep = mass - probs < params.top_p
     return ids[keep], probs[keep]
 
 
