@@ -33,7 +33,8 @@
 // (attend_task_avx2): the scores go three heads × four keys at a time (12 accumulators; each key
 // loaded once for the three), and 16 registers hold 12 value accumulators, so a group of heads
 // takes several passes over its values, which go in 16 KB blocks that stay in L1 for every pass
-// (each output's sum still in key order). It asks for nothing ahead.
+// (each output's sum still in key order). It asks for the same streams ahead as the AVX-512 form,
+// a decode's values while its keys are dotted and the next task's keys a share per value pass.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -341,12 +342,18 @@ MINISERVE_TARGET_AVX2 inline void scores_block_avx2(const float* q, const float*
 
 // scores_of in 8 lanes (NV vectors of 8 per key; q already scaled): keys in blocks of 4 (1 KB at
 // D = 64, in L1 across the group's heads), heads three at a time; each score one FMA chain per
-// lane in dimension order, then one transposing sum, as before the blocking
+// lane in dimension order, then one transposing sum, as before the blocking. With `v`, each
+// block's values are asked for (to L2) while its keys are dotted, as scores_of does.
 template <int NV>
-MINISERVE_TARGET_AVX2 void scores_of_avx2(const float* q, const float* k, int64_t L, int G, float* scores) {
+MINISERVE_TARGET_AVX2 void scores_of_avx2(const float* q, const float* k, const float* v, int64_t L, int G,
+                                          float* scores) {
   int64_t j0 = 0;
   for (; j0 + 4 <= L; j0 += 4) {
     const float* kb = k + j0 * NV * 8;
+    if (v) {
+      for (int64_t i = 0; i < 4 * NV * 8 * 4; i += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(v + j0 * NV * 8) + i, _MM_HINT_T1);
+    }
     int g = 0;
     for (; g + 3 <= G; g += 3) scores_block_avx2<NV, 3>(q, kb, L, g, j0, scores);
     if (G - g == 2) scores_block_avx2<NV, 2>(q, kb, L, g, j0, scores);
@@ -389,10 +396,17 @@ MINISERVE_TARGET_AVX2 void softmax_rows_avx2(float* scores, int64_t L, int G, fl
 }
 
 // values_block in 8 lanes: heads g0..g0+GB-1, output vectors c0..c0+CW-1 (GB × CW accumulators),
-// keys [j0, j1): the running sums go through `out` between blocks of keys
+// keys [j0, j1): the running sums go through `out` between blocks of keys. Each key j below
+// `pf.len` also asks for cache lines [pf.l0, pf.l1) of key j at `pf.keys` (the next task's).
+struct LinePrefetch {
+  const float* keys = nullptr;
+  int64_t len = 0;
+  int l0 = 0, l1 = 0;
+};
+
 template <int NV, int CW, int GB>
 MINISERVE_TARGET_AVX2 void values_block_avx2(const float* p, const float* v, int64_t L, int64_t j0, int64_t j1, int g0,
-                                             int c0, float* out) {
+                                             int c0, float* out, LinePrefetch pf) {
   __m256 acc[GB][CW];
 #pragma GCC unroll 6
   for (int i = 0; i < GB; ++i)
@@ -400,6 +414,10 @@ MINISERVE_TARGET_AVX2 void values_block_avx2(const float* p, const float* v, int
     for (int c = 0; c < CW; ++c)
       acc[i][c] = j0 ? _mm256_loadu_ps(out + (g0 + i) * NV * 8 + (c0 + c) * 8) : _mm256_setzero_ps();
   for (int64_t j = j0; j < j1; ++j) {
+    if (j < pf.len) {
+      for (int l = pf.l0; l < pf.l1; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(pf.keys + j * NV * 8 + l * 16), _MM_HINT_T0);
+    }
     const float* vj = v + j * NV * 8 + c0 * 8;
 #pragma GCC unroll 6
     for (int i = 0; i < GB; ++i) {
@@ -416,24 +434,36 @@ MINISERVE_TARGET_AVX2 void values_block_avx2(const float* p, const float* v, int
 
 // 12 accumulators a pass: up to 4 output vectors × 3 heads (2 × 6 at head dim 16), so a group of
 // heads takes several passes over the values: they go in blocks of 16 KB of values (in L1 for
-// every pass), each output's sum still in key order
+// every pass), each output's sum still in key order. With `next_k`, the next task's keys
+// (0..next_len-1) are asked for meanwhile, each pass a share of every key's cache lines: one line
+// a key per pass kept pace with the arithmetic, where all of a key's lines in the first pass
+// stalled the loads on a Zen 1 (docs/architecture.md).
 template <int NV>
 MINISERVE_TARGET_AVX2 void values_of_avx2(const float* p, const float* v, int64_t L, int G, const float* inv_sum,
-                                          float* out) {
+                                          float* out, const float* next_k, int64_t next_len) {
   constexpr int CW = NV < 4 ? NV : 4, GB = 12 / CW;
   constexpr int64_t kBlock = (16 << 10) / (NV * 8 * 4);  // keys
+  constexpr int kLines = NV * 8 * 4 / 64;                // cache lines of a key
+  const int passes = NV / CW * ((G + GB - 1) / GB);      // passes over each block of values
   for (int64_t j0 = 0; j0 < L; j0 += kBlock) {
     const int64_t j1 = std::min(L, j0 + kBlock);
+    int pass = 0;
+    auto share = [&]() {  // this pass's share of the next task's key lines
+      LinePrefetch pf;
+      if (next_k) pf = {next_k, next_len, pass * kLines / passes, (pass + 1) * kLines / passes};
+      ++pass;
+      return pf;
+    };
     for (int c0 = 0; c0 < NV; c0 += CW) {
       int g = 0;
-      for (; g + GB <= G; g += GB) values_block_avx2<NV, CW, GB>(p, v, L, j0, j1, g, c0, out);
+      for (; g + GB <= G; g += GB) values_block_avx2<NV, CW, GB>(p, v, L, j0, j1, g, c0, out, share());
       switch (G - g) {
         case 0: break;
-        case 1: values_block_avx2<NV, CW, 1>(p, v, L, j0, j1, g, c0, out); break;
-        case 2: values_block_avx2<NV, CW, 2>(p, v, L, j0, j1, g, c0, out); break;
-        case 3: if constexpr (GB > 3) values_block_avx2<NV, CW, 3>(p, v, L, j0, j1, g, c0, out); break;
-        case 4: if constexpr (GB > 4) values_block_avx2<NV, CW, 4>(p, v, L, j0, j1, g, c0, out); break;
-        default: if constexpr (GB > 5) values_block_avx2<NV, CW, 5>(p, v, L, j0, j1, g, c0, out); break;
+        case 1: values_block_avx2<NV, CW, 1>(p, v, L, j0, j1, g, c0, out, share()); break;
+        case 2: values_block_avx2<NV, CW, 2>(p, v, L, j0, j1, g, c0, out, share()); break;
+        case 3: if constexpr (GB > 3) values_block_avx2<NV, CW, 3>(p, v, L, j0, j1, g, c0, out, share()); break;
+        case 4: if constexpr (GB > 4) values_block_avx2<NV, CW, 4>(p, v, L, j0, j1, g, c0, out, share()); break;
+        default: if constexpr (GB > 5) values_block_avx2<NV, CW, 5>(p, v, L, j0, j1, g, c0, out, share()); break;
       }
     }
   }
@@ -443,17 +473,18 @@ MINISERVE_TARGET_AVX2 void values_of_avx2(const float* p, const float* v, int64_
   }
 }
 
-// attend_task for fp32 in AVX2 (no prefetching: a first form)
+// attend_task for fp32 in AVX2, asking for the same streams ahead as attend_task
 template <int NV>
 MINISERVE_TARGET_AVX2 void attend_task_avx2(const float* qg, const float* k, const float* v, int64_t L, int G,
-                                            float scale, float* out, std::vector<float>& qf,
-                                            std::vector<float>& scores, std::vector<float>& inv_sum) {
+                                            float scale, float* out, bool fresh, const float* next_k,
+                                            int64_t next_len, std::vector<float>& qf, std::vector<float>& scores,
+                                            std::vector<float>& inv_sum) {
   scores.resize(G * L);
   const __m256 sc = _mm256_set1_ps(scale);
   for (int64_t i = 0; i < G * NV * 8; i += 8) _mm256_storeu_ps(qf.data() + i, _mm256_mul_ps(_mm256_loadu_ps(qg + i), sc));
-  scores_of_avx2<NV>(qf.data(), k, L, G, scores.data());
+  scores_of_avx2<NV>(qf.data(), k, fresh ? v : nullptr, L, G, scores.data());
   softmax_rows_avx2(scores.data(), L, G, inv_sum.data());
-  values_of_avx2<NV>(scores.data(), v, L, G, inv_sum.data(), out);
+  values_of_avx2<NV>(scores.data(), v, L, G, inv_sum.data(), out, next_k, next_len);
 }
 
 template <int NC, typename T>
@@ -504,12 +535,6 @@ void attend(const T* q, const T* ks, const T* vs, const int64_t* slots, const in
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t r = t / kv_heads, h = t % kv_heads;
         const int64_t kv = kv_of(t), qo = (r * heads + h * G) * D;
-        if constexpr (std::is_same_v<T, float>) {
-          if (avx2_only) {
-            attend_task_avx2<2 * NC>(q + qo, ks + kv, vs + kv, lens[r], G, scale, out + qo, qf, scores, inv_sum);
-            continue;
-          }
-        }
         // the next task's keys are asked for during this one's value pass, as far as this task has
         // keys; not within a prefill chunk, whose rows share their slot's keys (in cache already)
         int64_t tn = t + 1;
@@ -522,6 +547,13 @@ void attend(const T* q, const T* ks, const T* vs, const int64_t* slots, const in
         if (tn < tasks) {
           const int64_t rn = tn / kv_heads;
           if (slots[rn] != slots[r] || (rn == r && !chunk_row(r))) next_k = ks + kv_of(tn), next_len = lens[rn];
+        }
+        if constexpr (std::is_same_v<T, float>) {
+          if (avx2_only) {
+            attend_task_avx2<2 * NC>(q + qo, ks + kv, vs + kv, lens[r], G, scale, out + qo, !chunk_row(r), next_k,
+                                     next_len, qf, scores, inv_sum);
+            continue;
+          }
         }
         attend_task<NC, GB>(q + qo, ks + kv, vs + kv, lens[r], G, scale, out + qo, !chunk_row(r), next_k, next_len,
                             dp, qf, scores, inv_sum);
