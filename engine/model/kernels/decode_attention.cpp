@@ -395,15 +395,16 @@ MINISERVE_TARGET_AVX2 void softmax_rows_avx2(float* scores, int64_t L, int G, fl
   }
 }
 
-// values_block in 8 lanes: heads g0..g0+GB-1, output vectors c0..c0+CW-1 (GB × CW accumulators),
-// keys [j0, j1): the running sums go through `out` between blocks of keys. Each key j below
-// `pf.len` also asks for cache lines [pf.l0, pf.l1) of key j at `pf.keys` (the next task's).
+// cache lines [l0, l1) of keys 0..len-1 at `keys` (the next task's), asked for by a value pass
 struct LinePrefetch {
   const float* keys = nullptr;
   int64_t len = 0;
   int l0 = 0, l1 = 0;
 };
 
+// values_block in 8 lanes: heads g0..g0+GB-1, output vectors c0..c0+CW-1 (GB × CW accumulators),
+// keys [j0, j1): the running sums go through `out` between blocks of keys; each key j also asks
+// for `pf`'s lines of key j
 template <int NV, int CW, int GB>
 MINISERVE_TARGET_AVX2 void values_block_avx2(const float* p, const float* v, int64_t L, int64_t j0, int64_t j1, int g0,
                                              int c0, float* out, LinePrefetch pf) {
@@ -435,9 +436,10 @@ MINISERVE_TARGET_AVX2 void values_block_avx2(const float* p, const float* v, int
 // 12 accumulators a pass: up to 4 output vectors × 3 heads (2 × 6 at head dim 16), so a group of
 // heads takes several passes over the values: they go in blocks of 16 KB of values (in L1 for
 // every pass), each output's sum still in key order. With `next_k`, the next task's keys
-// (0..next_len-1) are asked for meanwhile, each pass a share of every key's cache lines: one line
-// a key per pass kept pace with the arithmetic, where all of a key's lines in the first pass
-// stalled the loads on a Zen 1 (docs/architecture.md).
+// (0..next_len-1) are asked for meanwhile, each pass an equal share of every key's cache lines
+// (none for some passes where they outnumber the lines): spread so, the requests keep pace with
+// the arithmetic, where all of a key's lines in one pass stalled the loads on a Zen 1; and every
+// line is asked for, which paid where the passes are fewer than the lines (docs/architecture.md).
 template <int NV>
 MINISERVE_TARGET_AVX2 void values_of_avx2(const float* p, const float* v, int64_t L, int G, const float* inv_sum,
                                           float* out, const float* next_k, int64_t next_len) {
