@@ -61,6 +61,12 @@ constexpr int kAccRegisters = 28;  // output accumulators a value pass may hold 
 
 using namespace miniserve_simd;
 
+// `bytes` at `at` asked for into L2, a cache line at a time: a block of a task's values, while its
+// keys are dotted (a task's values outgrow L1)
+inline void values_to_l2(const void* at, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(at) + i, _MM_HINT_T1);
+}
+
 // r[i] = Σ lanes of a[i], for 16 vectors: pairwise sums through 4 levels of shuffles (45 ops for 16
 // sums; one _mm512_reduce_add_ps per score costs 8)
 MINISERVE_TARGET inline __m512 sum16(__m512* a) {
@@ -82,15 +88,9 @@ MINISERVE_TARGET inline __m512 sum16(__m512* a) {
 // products stay 16-lane vectors until one transposing sum turns them into 16 scores.
 template <int NC, typename T>
 MINISERVE_TARGET void scores_of(const float* q, const T* k, const T* v, int64_t L, int G, float* scores) {
-  constexpr int64_t kLines = 16 * NC * 16 * sizeof(T) / 64;  // cache lines of a block's keys (or values)
   int64_t j0 = 0;
   for (; j0 + 16 <= L; j0 += 16) {
-    // with `v`, the block's values, for the value pass: they stream in while the keys are dotted
-    // (to L2: a task's values outgrow L1)
-    if (v) {
-      for (int64_t i = 0; i < kLines; ++i)
-        _mm_prefetch(reinterpret_cast<const char*>(v + j0 * NC * 16) + 64 * i, _MM_HINT_T1);
-    }
+    if (v) values_to_l2(v + j0 * NC * 16, 16 * NC * 16 * sizeof(T));  // with `v`, the block's values
     const float* kb;
     alignas(64) float widened[std::is_same_v<T, float> ? 1 : 16 * NC * 16];
     if constexpr (std::is_same_v<T, float>) {
@@ -178,14 +178,10 @@ MINISERVE_TARGET_BF16 void scores_of_dp(const uint16_t* q, float scale, const ui
                                         int64_t L, int G, float* scores) {
   static_assert(NC % 2 == 0, "pairs of dimensions: D a multiple of 32");
   constexpr int kPairs = NC * 8, kRowVecs = NC / 2;  // dwords (k pairs) per key, 512-bit vectors per key
-  constexpr int64_t kLines = 16 * NC * 16 * 2 / 64;
   constexpr int kHeads = 8;  // heads per pass: 16 accumulators
   for (int64_t j0 = 0; j0 < L; j0 += 16) {
     const int64_t n = std::min<int64_t>(16, L - j0);
-    if (v && n == 16) {
-      for (int64_t i = 0; i < kLines; ++i)
-        _mm_prefetch(reinterpret_cast<const char*>(v + j0 * NC * 16) + 64 * i, _MM_HINT_T1);
-    }
+    if (v && n == 16) values_to_l2(v + j0 * NC * 16, 16 * NC * 16 * 2);
     __m512i kt[kPairs];
     for (int c = 0; c < kRowVecs; ++c) {  // dwords 16c..16c+15 of the 16 keys
       __m512i r[16];
@@ -350,10 +346,7 @@ MINISERVE_TARGET_AVX2 void scores_of_avx2(const float* q, const float* k, const 
   int64_t j0 = 0;
   for (; j0 + 4 <= L; j0 += 4) {
     const float* kb = k + j0 * NV * 8;
-    if (v) {
-      for (int64_t i = 0; i < 4 * NV * 8 * 4; i += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(v + j0 * NV * 8) + i, _MM_HINT_T1);
-    }
+    if (v) values_to_l2(v + j0 * NV * 8, 4 * NV * 8 * 4);
     int g = 0;
     for (; g + 3 <= G; g += 3) scores_block_avx2<NV, 3>(q, kb, L, g, j0, scores);
     if (G - g == 2) scores_block_avx2<NV, 2>(q, kb, L, g, j0, scores);
