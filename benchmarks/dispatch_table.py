@@ -60,7 +60,8 @@ def main() -> None:
                     return f"one sweep up to {key} rows"
                 distance, l2 = key.split(",")
                 return f"{int(distance) >> 10} KiB into {'L2' if l2 == '1' else 'L1'}" if int(distance) else "none"
-            where = f"{rows.removesuffix(dispatch.ONE_THREAD)} rows" + (" on one thread" if rows.endswith(dispatch.ONE_THREAD) else "")
+            count = rows.removesuffix(dispatch.ONE_THREAD).removesuffix(dispatch.SWEEPS)
+            where = f"{count} rows" + (" on one thread" if rows.endswith(dispatch.ONE_THREAD) else "")
             print(f"{d}: gemv tuning at {where}: " + ", ".join(f"{name(k)} {1e3 * s:.3f} ms" for k, s in t.items()))
         print(f"{d}: gemv tuning chosen: {tuning}")
         shapes = {"decode": "8 decodes x 256 keys", "prefill": "a 128-token chunk after 128"}

@@ -13,7 +13,8 @@ Torch-free, so the simulator can load a profile without the model. Features (per
                      and 7 cost up to three times that, T=4 and 8 less, and from ~16 tokens it grows
                      ~linearly; so every small T is a knot. So is the row count just past each one
                      up to which the engine's gemv may sweep the weights once for all rows (9, 13,
-                     17: GemvTuning.stream_rows 8, 12 or 16, measured per machine): the cost steps
+                     17: GemvTuning.stream_rows 8, 12 or 16 with AVX-512, 3 or 6 with AVX2, whose 4
+                     and 7 are knots already, measured per machine): the cost steps
                      up there (fp32 13% from 16 to 17 rows on one CPU), which a tent from 16 to 24
                      priced as a straight line. Past that the gemv takes the rows in passes of its
                      register block (8 rows with AVX-512, 6 with AVX2: two 3-row passes), each pass reading every

@@ -404,7 +404,7 @@ def test_the_knots_and_the_full_grid_bracket_every_step_the_gemv_may_take():
     fit to price the step rather than a line across it, both are knots and both are measured."""
     from engine.model.kernels import dispatch
     full = GRID_SPECS["full"]
-    for n in dispatch.STREAM_ROWS:
+    for n in dispatch.STREAM_ROWS + dispatch.STREAM_ROWS_AVX2:
         assert {n, n + 1} <= set(TOKEN_KNOTS) and {n, n + 1} <= set(full.decode_batches)
 
 

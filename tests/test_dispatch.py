@@ -254,7 +254,7 @@ def test_a_cached_amx_threshold_is_dropped_where_this_process_has_no_tiles(monke
 def test_the_gemv_tuning_takes_each_row_counts_fastest_distance_apart(monkeypatch):
     """The one-row distance and the several-row one are chosen each at its own row count, levels
     included (a machine whose one row wants 2 KiB into L1 and whose 8 rows want 16 KiB into L2 gets
-    both), then how many rows one sweep takes, at 12 and 16 rows, with those distances."""
+    both), then how many rows one sweep takes, at 12 and 16 rows (AVX2: 4 and 6), with those distances."""
     calls = []
 
     class Probe:
@@ -266,8 +266,8 @@ def test_the_gemv_tuning_takes_each_row_counts_fastest_distance_apart(monkeypatc
 
     # 8 rows on all threads: 16 KiB into L2 fastest, 32 KiB into L2 5% behind; on one thread 32 KiB
     # fastest and 16 KiB 50% behind: the summed ratios choose 32 KiB (1.05 + 1 against 1 + 1.5)
-    best = {1: "2048,0", 8: "16384,1", (8, 1): "32768,1", 12: "16", 16: "12"}
-    slow = {16: {"16": 1.5}, 8: {"32768,1": 1.05}, (8, 1): {"16384,1": 1.5}}
+    best = {1: "2048,0", 8: "16384,1", (8, 1): "32768,1", ("sweeps", 12): "16", ("sweeps", 16): "12"}
+    slow = {("sweeps", 16): {"16": 1.5}, 8: {"32768,1": 1.05}, (8, 1): {"16384,1": 1.5}}
     threads_seen = []
 
     def fastest(fns, repeats):
@@ -276,6 +276,8 @@ def test_the_gemv_tuning_takes_each_row_counts_fastest_distance_apart(monkeypatc
         rows = calls[-1][0]
         threads_seen.append((rows, torch.get_num_threads()))
         at = (rows, 1) if rows == 8 and torch.get_num_threads() == 1 else rows
+        if all("," not in name for name in fns):  # stream_rows candidates
+            at = ("sweeps", rows)
         return {name: (1.0 if name == best[at] else slow.get(at, {}).get(name, 3.0)) for name in fns}
 
     monkeypatch.setattr(dispatch, "_fastest_alternating", fastest)
@@ -288,20 +290,24 @@ def test_the_gemv_tuning_takes_each_row_counts_fastest_distance_apart(monkeypatc
     assert threads_seen == [(1, 2), (8, 2), (8, 1), (12, 2), (16, 2)]
     assert set(timings["1"]) == {f"{d},{int(l2)}" for d, l2 in dispatch.PREFETCH_ONE}
     assert set(timings["8"]) == set(timings["8" + dispatch.ONE_THREAD]) == {f"{d},{int(l2)}" for d, l2 in dispatch.PREFETCH}
-    assert set(timings["12"]) == set(timings["16"]) == {str(n) for n in dispatch.STREAM_ROWS}
+    assert set(timings["12" + dispatch.SWEEPS]) == set(timings["16" + dispatch.SWEEPS]) == {str(n) for n in dispatch.STREAM_ROWS}
     assert {rows for rows, _ in calls} == {1, 8, 12, 16} and all(t.amx_rows == 0 for _, t in calls)  # the vector loop
     assert all(t.prefetch == 32768 and t.prefetch_one == 2048 for rows, t in calls if rows >= 12)
 
-    # an AVX2-only CPU: its loop sweeps 6 rows whatever stream_rows says (none timed), and the
-    # distance is timed at 6 rows, which a sweep takes (at 8 its rows go in blocks that ignore it)
+    # an AVX2-only CPU: the distance is timed at 6 rows, which its default sweep takes (at 8 its
+    # rows go in blocks that ignore it), then its own sweeps (3 or 6 rows) at 4 and 6 rows: here
+    # the blocks past 3 rows win at 4 rows and lose by less at 6 (1 + 1.2 against 3 + 1)
     calls.clear()
-    best[6] = "4096,0"
+    best.update({6: "4096,0", ("sweeps", 4): "3", ("sweeps", 6): "6"})
+    slow[("sweeps", 6)] = {"3": 1.2}
     monkeypatch.setattr(dispatch, "cpu_features", lambda: frozenset({"avx2"}))
     with on_threads(1):  # one thread: its 6 rows are timed once, and decide alone
         tuning, timings = dispatch.tune_gemv(torch.float32, Probe())
-    assert tuning.stream_rows == GemvTuning().stream_rows and set(timings) == {"1", "6"}
-    assert {rows for rows, _ in calls} == {1, 6}
+    assert tuning.stream_rows == 3 and set(timings) == {"1", "6", "4" + dispatch.SWEEPS, "6" + dispatch.SWEEPS}
+    assert set(timings["4" + dispatch.SWEEPS]) == {str(n) for n in dispatch.STREAM_ROWS_AVX2}
+    assert {rows for rows, _ in calls} == {1, 4, 6}
     assert tuning.prefetch == 4096 and not tuning.prefetch_l2  # that one timing's best
     with on_threads(2):  # two threads: 6 rows on both and on one
         tuning, timings = dispatch.tune_gemv(torch.float32, Probe())
-    assert set(timings) == {"1", "6", "6" + dispatch.ONE_THREAD} and tuning.prefetch == 4096
+    assert set(timings) == {"1", "6", "6" + dispatch.ONE_THREAD, "4" + dispatch.SWEEPS, "6" + dispatch.SWEEPS}
+    assert tuning.prefetch == 4096 and tuning.stream_rows == 3

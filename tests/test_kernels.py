@@ -243,7 +243,9 @@ def _case(x, w, bias=None, n=None, k=None):
     (lambda: (*_case(torch.randn(1, 8), torch.randn(4, 8)), 64, 256, -128), "prefetch distances are bytes >= 0"),
     (lambda: (*_case(torch.randn(1, 8), torch.randn(4, 8)), 64, 256, 0, 16384, False, -1), "amx_rows must be >= 0"),
     (lambda: (*_case(torch.randn(1, 8), torch.randn(4, 8)), 64, 256, 0, 16384, False, 0, False, 17),
-     "stream_rows must be in \\[8, 16\\], got 17"),
+     "stream_rows must be in \\[3, 16\\], got 17"),
+    (lambda: (*_case(torch.randn(1, 8), torch.randn(4, 8)), 64, 256, 0, 16384, False, 0, False, 2),
+     "stream_rows must be in \\[3, 16\\], got 2"),
 ])
 def test_bad_input_is_a_clear_error(make, message):
     kernels.gemv(torch.float32)  # built and registered
@@ -264,7 +266,7 @@ def test_how_the_weights_are_asked_for_changes_no_value(dtype, rows, k, n, seed)
     base = gemv(x, panels, None, 64, 256, kernels.GemvTuning(prefetch_one=0, prefetch=0))
     tunings = ([kernels.GemvTuning(prefetch_one=d, prefetch_one_l2=l2) for d, l2 in dispatch.PREFETCH_ONE]
                + [kernels.GemvTuning(prefetch=d, prefetch_l2=l2) for d, l2 in dispatch.PREFETCH]
-               + [kernels.GemvTuning(stream_rows=n) for n in dispatch.STREAM_ROWS])
+               + [kernels.GemvTuning(stream_rows=n) for n in dispatch.STREAM_ROWS + dispatch.STREAM_ROWS_AVX2])
     for tuning in tunings:
         assert torch.equal(gemv(x, panels, None, 64, 256, tuning), base)
 

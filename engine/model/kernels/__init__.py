@@ -101,7 +101,7 @@ class GemvTuning:
     prefetch_l2: bool = False  # the several-row distance's level
     amx_rows: int = 0
     prefetch_one_l2: bool = False  # the one-row distance's level
-    stream_rows: int = 8  # 8-16
+    stream_rows: int = 8  # AVX-512 8-16, AVX2 3-6 (each loop clamps it to its range)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ dispatches to the faster:
 - the gemv's own tuning (``kernels.GemvTuning``): how far ahead, into L1 or L2, it asks for its
   weight stream at one row (``PREFETCH_ONE``'s candidates, timed at 1 row) and at more
   (``PREFETCH``'s, timed at 8 rows, an AVX2-only CPU's 6, on all threads and on one), up to how many rows one sweep of the weights takes them all
-  (``STREAM_ROWS``, timed at 12 and 16 rows) and, for bf16 on a CPU with AMX, from which row class
+  (``STREAM_ROWS``, timed at 12 and 16 rows; an AVX2-only CPU's ``STREAM_ROWS_AVX2``, at 4 and 6) and, for bf16 on a CPU with AMX, from which row class
   its tiles beat its vector loop (``fold_amx``).
 
 Each linear candidate reads its own layout of the weights, and a second layout costs a whole
@@ -63,16 +63,21 @@ ROW_CLASSES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 PREFETCH_ONE = ((0, False), (1 << 10, False), (2 << 10, False), (8 << 10, False), (32 << 10, True))
 PREFETCH = ((2 << 10, False), (4 << 10, False), (16 << 10, False), (8 << 10, True), (16 << 10, True), (32 << 10, True))
 ONE_THREAD = ", one thread"  # tune_gemv's timings of PREFETCH on one thread: "8, one thread" (AVX2: "6, ...")
+SWEEPS = ", sweeps"  # its timings of STREAM_ROWS: "12, sweeps" (AVX2: "6, sweeps", apart from PREFETCH's "6")
 # up to how many rows the gemv sweeps the weights once for all rows (past that: 8-row passes over
 # blocks of K in cache): 16 rows' sums fill every AVX-512 register, so the compiler spills
 STREAM_ROWS = (8, 12, 16)
+# the same for AVX2's loop, whose passes take 3 rows: a sweep of one pass or of two (past that:
+# 3-row passes over blocks of K, each asking for a share of the next block into L1). On one AVX2
+# EPYC the blocks beat the 6-row sweep by 10-21% at 4-6 rows (docs/architecture.md)
+STREAM_ROWS_AVX2 = (3, 6)
 # a decoder layer's four products (qkv, o, gate+up, down) as (outputs, inputs), Qwen2.5-0.5B's: the
 # candidates are timed on layers of these, as a model call runs them (a product's own overhead
 # counts: ~0.1 ms per oneDNN call at one row on one CPU, a fifth of a decode's linears)
 PROBE_LAYER = ((1152, 896), (896, 896), (9728, 896), (896, 4864))
 PROBE_BYTES = (64 << 20, 512 << 20)  # the probe: twice the last-level cache within these, rounded up to a layer
 FORCE_ENV = "MINISERVE_DISPATCH"
-VERSION = 10  # bump when what is measured or how it is chosen changes
+VERSION = 11  # bump when what is measured or how it is chosen changes
 log = logging.getLogger("miniserve.dispatch")
 
 
@@ -315,8 +320,9 @@ def tune_gemv(dtype: torch.dtype, probe: ProbeWeights, repeats: int = 5) -> tupl
     after): ``PREFETCH_ONE``'s distance timed at 1 row, ``PREFETCH``'s at 8 rows (6 on an AVX2-only
     CPU, whose sweeps take 6: timed at 8 its rows ran in blocks that ignore the distance, and the
     choice was noise) on all threads and on one (the least summed ratio to each one's best), then
-    ``STREAM_ROWS`` at 12 and 16 rows (the same), with the seconds that chose them (per row count,
-    and per row count + ``ONE_THREAD``, per ``"distance,l2"`` or ``"stream_rows"``).
+    ``STREAM_ROWS`` at 12 and 16 rows (the same; AVX2: ``STREAM_ROWS_AVX2`` at 4 and 6), with the
+    seconds that chose them (per row count, row count + ``ONE_THREAD`` and row count + ``SWEEPS``,
+    per ``"distance,l2"`` or ``"stream_rows"``).
 
     Why 8 rows (AVX2: 6) on one thread too: there a product needs its weights and its arithmetic at once (one
     core's stream reads at most its share of the bandwidth while it multiplies at a core's full
@@ -340,8 +346,9 @@ def tune_gemv(dtype: torch.dtype, probe: ProbeWeights, repeats: int = 5) -> tupl
     t = fastest(1, one)
     tuning = one[min(t, key=t.get)]
     several = {f"{d},{int(l2)}": replace(tuning, prefetch=d, prefetch_l2=l2) for d, l2 in PREFETCH}
-    # rows one sweep of the weights takes on every machine: 8 with AVX-512; AVX2's loop sweeps 6
-    # (gemv.cpp kSweepRowsAvx2), and past that its rows go in blocks that use no stream distance
+    # rows one sweep of the weights takes on every machine at the default stream_rows: 8 with
+    # AVX-512; AVX2's loop sweeps 6 (gemv.cpp kSweepRowsAvx2), and past that its rows go in blocks
+    # that use no stream distance
     avx512 = "avx512" in cpu_features()
     rows = 8 if avx512 else 6
     threads = torch.get_num_threads()
@@ -353,10 +360,9 @@ def tune_gemv(dtype: torch.dtype, probe: ProbeWeights, repeats: int = 5) -> tupl
         finally:
             torch.set_num_threads(threads)
     tuning = least_summed(several, *runs)
-    if not avx512:  # the AVX2 loop's sweeps take 6 rows whatever stream_rows says
-        return tuning, timings
-    sweeps = {str(n): replace(tuning, stream_rows=n) for n in STREAM_ROWS}
-    return least_summed(sweeps, *(fastest(rows, sweeps) for rows in (12, 16))), timings
+    candidates, at_rows = (STREAM_ROWS, (12, 16)) if avx512 else (STREAM_ROWS_AVX2, (4, 6))
+    sweeps = {str(n): replace(tuning, stream_rows=n) for n in candidates}
+    return least_summed(sweeps, *(fastest(rows, sweeps, f"{rows}{SWEEPS}") for rows in at_rows)), timings
 
 
 @torch.inference_mode()

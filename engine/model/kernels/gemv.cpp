@@ -7,7 +7,7 @@
 // its time is how fast the weights stream from memory, and oneDNN's linear reads them below what a
 // plain sweep of the same bytes reaches (docs/architecture.md has the figures). Here each weight
 // byte is loaded once, in address order, and used for every row while it is in a register (up to
-// stream_rows rows, 8-16, measured per machine; AVX2 6): w is
+// stream_rows rows, 8-16, measured per machine; AVX2 3-6): w is
 // stored as panels of 32 output columns (engine/kernels/__init__.py pack_panels), so one k step of
 // a panel is two vectors holding 32 outputs' weights; each row's x[k] is broadcast and multiplied
 // in (fp32 FMA; bf16 AVX512-BF16 dot products over k pairs, summed in fp32 as oneDNN's bf16 matmul
@@ -64,8 +64,8 @@ namespace {
 constexpr int64_t kPanel = 32;     // output columns per panel (engine/kernels/__init__.py PANEL)
 constexpr int64_t kBlockRows = 8;  // rows per register block: 2 accumulators per row, 16 of 32 registers
 constexpr int64_t kStreamRowsMax = 16;  // the most rows one sweep of the weights takes (GemvTuning.stream_rows)
-constexpr int64_t kSweepRowsAvx2 = 6;  // AVX2's one sweep: two passes of 3 rows × a whole panel per sub-block
-constexpr int64_t kPassRowsAvx2 = 3;   // AVX2's pass: 3 rows × a whole panel (12 accumulators)
+constexpr int64_t kSweepRowsAvx2 = 6;  // AVX2's longest sweep: two passes of 3 rows × a whole panel per sub-block
+constexpr int64_t kPassRowsAvx2 = 3;   // AVX2's pass: 3 rows × a whole panel (12 accumulators); its shortest sweep
 
 #ifdef MINISERVE_X86
 
@@ -326,7 +326,7 @@ void parallel_panels(int64_t panels, Fn&& fn) {
 }
 
 // A thread's run of panels is one forward stream of weights (parallel_panels). Up to `stream_rows`
-// rows (GemvTuning.stream_rows, between BlockRows and StreamRows: 8-16 with AVX-512, AVX2's 6) a
+// rows (GemvTuning.stream_rows, clamped to [BlockRows, StreamRows]: 8-16 with AVX-512, 3-6 with AVX2) a
 // panel is multiplied in one sweep of K while its weights stream from memory, each k step asking
 // for the weights `stream.ahead` steps on, into L1 or L2 (`stream.to_l2`; 0 leaves it to the
 // hardware prefetcher): how far and where differs between CPUs, so dispatch.py measures it
@@ -577,8 +577,8 @@ namespace miniserve_ops {
 // prefetch_one / prefetch: how far ahead (bytes) a one-row / a several-row product asks for the
 // weight stream (0: not at all), into L2 when prefetch_one_l2 / prefetch_l2 else L1; amx_rows: from
 // how many rows a bf16 product runs on AMX tiles (0: never; fp32 has no tile path); stream_rows: up
-// to how many rows (8-16; AVX2 takes 6) one sweep of the weights multiplies them all. dispatch.py
-// measures them per machine.
+// to how many rows one sweep of the weights multiplies them all (3-16; each vector loop clamps it
+// to its own range: AVX-512 8-16, AVX2 3-6). dispatch.py measures them per machine.
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias, int64_t N,
                int64_t K, int64_t row_block, int64_t k_block, int64_t prefetch_one, int64_t prefetch,
                bool prefetch_l2, int64_t amx_rows, bool prefetch_one_l2, int64_t stream_rows) {
@@ -601,8 +601,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
   TORCH_CHECK(prefetch_one >= 0 && prefetch >= 0, "miniserve::gemv: prefetch distances are bytes >= 0, got ",
               prefetch_one, " and ", prefetch);
   TORCH_CHECK(amx_rows >= 0, "miniserve::gemv: amx_rows must be >= 0 (0: never), got ", amx_rows);
-  TORCH_CHECK(stream_rows >= kBlockRows && stream_rows <= kStreamRowsMax, "miniserve::gemv: stream_rows must be in [",
-              kBlockRows, ", ", kStreamRowsMax, "], got ", stream_rows);
+  TORCH_CHECK(stream_rows >= kPassRowsAvx2 && stream_rows <= kStreamRowsMax, "miniserve::gemv: stream_rows must be in [",
+              kPassRowsAvx2, ", ", kStreamRowsMax, "], got ", stream_rows);
   TORCH_CHECK(amx_rows == 0 || gemv_amx_supported(), "miniserve::gemv: amx_rows=", amx_rows,
               " but this CPU (as allowed) has no AMX bf16 tiles");
   const bool has_bias = bias.has_value() && bias->defined();
@@ -633,7 +633,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
     const int64_t avx2_block = std::max(kSubSteps, k_block / kSubSteps * kSubSteps);
     run_panels<kPassRowsAvx2, kSweepRowsAvx2>(x.data_ptr<float>(), wp.data_ptr<float>(),
                has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N, K, K, avx2_block,
-               row_block, kSweepRowsAvx2, stream,
+               row_block, stream_rows, stream,
                [](auto rows, auto spread, auto&&... args) {
                  panel_f32_avx2<decltype(rows)::value, decltype(spread)::value>(args...);
                },
