@@ -98,8 +98,8 @@ GRID_SPECS: dict[str, GridSpec] = {
                       prefill_chunks=(1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 48), prefill_contexts=(0, 32),
                       multi_prefill=((2, 12), (4, 12), (8, 12)), num_mixed=12,
                       max_batched_tokens=96, max_seqs=8, repeats=3, idle_levels=((0.1, 3), (0.5, 1), (2.0, 1))),
-    # 9, 13, 17: just past each row count up to which the gemv may sweep the weights once
-    # (GemvTuning.stream_rows), where a call's cost steps up (calibration/cost_model.py)
+    # 9, 13, 17 (AVX2: 4, 7): just past each row count up to which the gemv may sweep the weights
+    # once (GemvTuning.stream_rows), where a call's cost steps up (calibration/cost_model.py)
     "full": GridSpec(decode_batches=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 16, 17, 24, 32),
                      decode_contexts=(16, 128, 512, 1024),
                      prefill_chunks=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 16, 17, 24, 32, 64, 128, 256),

@@ -310,8 +310,8 @@ def gemv(dtype: torch.dtype):
 @functools.cache
 def gemv_pass_rows() -> int:
     """Rows per pass of the gemv past its one sweep: gemv.cpp's kBlockRows with AVX-512 (8; the bf16
-    tiles' 16-row blocks step at multiples of it too), kSweepRowsAvx2 on an AVX2-only CPU (6: its
-    passes take 3 rows, and the cost model keeps a knot pair at every second pass's edge). A call's
+    tiles' 16-row blocks step at multiples of it too), two of kPassRowsAvx2 on an AVX2-only CPU (6:
+    its passes take 3 rows, and the cost model keeps a knot pair at every second pass's edge). A call's
     cost steps up just past each multiple (calibration.cost_model.PASS_EDGES)."""
     return 8 if "avx512" in cpu_features() else 6
 

@@ -318,8 +318,8 @@ class ProbeWeights:
 def tune_gemv(dtype: torch.dtype, probe: ProbeWeights, repeats: int = 5) -> tuple[GemvTuning, dict]:
     """The gemv's fastest weight stream here, on its vector loop (the tiles' row count is chosen
     after): ``PREFETCH_ONE``'s distance timed at 1 row, ``PREFETCH``'s at 8 rows (6 on an AVX2-only
-    CPU, whose sweeps take 6: timed at 8 its rows ran in blocks that ignore the distance, and the
-    choice was noise) on all threads and on one (the least summed ratio to each one's best), then
+    CPU, whose default sweep takes 6: timed at 8 its rows ran in blocks that ignore the distance, and
+    the choice was noise) on all threads and on one (the least summed ratio to each one's best), then
     ``STREAM_ROWS`` at 12 and 16 rows (the same; AVX2: ``STREAM_ROWS_AVX2`` at 4 and 6), with the
     seconds that chose them (per row count, row count + ``ONE_THREAD`` and row count + ``SWEEPS``,
     per ``"distance,l2"`` or ``"stream_rows"``).
