@@ -306,21 +306,26 @@ void for_chunks(int64_t M, int64_t row_block, Fn&& fn) {
   }
 }
 
-// The panels go out to torch's threads in runs taken off a shared counter, several runs per
-// thread, rather than one fixed share each: where the cores run at different speeds (a VM's vCPU
-// whose core a neighbour's thread shares, big and little cores) a fixed share makes every product
-// wait for its slowest thread, and a run is still a forward stream of whole panels
-// (docs/architecture.md has the figures). fn(p0, p1) may run several times on one thread.
-constexpr int64_t kRunsPerThread = 8;
-
+// The panels go out to torch's threads in runs taken off a shared counter rather than one fixed
+// share each: where the cores run at different speeds (a VM's vCPU whose core a neighbour's thread
+// shares, big and little cores) a fixed share makes every product wait for its slowest thread, and
+// a run is still a forward stream of whole panels. Each run is the panels left over twice the
+// threads (at least one), as OpenMP's guided schedule: long runs first, single panels at the end,
+// so the threads finish within a panel of each other. Runs of a fixed size (panels / (threads ×
+// 8)) left a thread idle for up to a run at the end of every product: 3-5% of a two-thread decode's
+// products on the Zen 4 (docs/architecture.md has the figures). fn(p0, p1) may run several times
+// on one thread.
 template <typename Fn>
 void parallel_panels(int64_t panels, Fn&& fn) {
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
-  const int64_t run = std::max<int64_t>(1, panels / (threads * kRunsPerThread));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t p0; (p0 = next.fetch_add(run, std::memory_order_relaxed)) < panels;) {
-      fn(p0, std::min(panels, p0 + run));
+    for (int64_t p0 = next.load(std::memory_order_relaxed); p0 < panels;) {
+      const int64_t run = std::max<int64_t>(1, (panels - p0) / (2 * threads));
+      if (next.compare_exchange_weak(p0, p0 + run, std::memory_order_relaxed)) {  // else p0 is the counter now
+        fn(p0, p0 + run);
+        p0 = next.load(std::memory_order_relaxed);
+      }
     }
   });
 }
