@@ -296,18 +296,29 @@ def test_the_gemv_tuning_takes_each_row_counts_fastest_distance_apart(monkeypatc
 
     # an AVX2-only CPU: the distance is timed at 6 rows, which its default sweep takes (at 8 its
     # rows go in blocks that ignore it), then its own sweeps (3 or 6 rows) at 4 and 6 rows: here
-    # the blocks past 3 rows win at 4 rows and lose by less at 6 (1 + 1.2 against 3 + 1)
+    # the blocks past 3 rows win at 4 rows and lose by less at 6 (1 + 1.2 against 3 + 1), so only
+    # 2-3 rows still sweep, and the distance is timed again at 3 rows, where 2 KiB into L1 wins
     calls.clear()
-    best.update({6: "4096,0", ("sweeps", 4): "3", ("sweeps", 6): "6"})
+    best.update({6: "4096,0", ("sweeps", 4): "3", ("sweeps", 6): "6", 3: "2048,0"})
     slow[("sweeps", 6)] = {"3": 1.2}
     monkeypatch.setattr(dispatch, "cpu_features", lambda: frozenset({"avx2"}))
-    with on_threads(1):  # one thread: its 6 rows are timed once, and decide alone
+    with on_threads(1):  # one thread: each row count is timed once, and decides alone
         tuning, timings = dispatch.tune_gemv(torch.float32, Probe())
-    assert tuning.stream_rows == 3 and set(timings) == {"1", "6", "4" + dispatch.SWEEPS, "6" + dispatch.SWEEPS}
+    assert tuning.stream_rows == 3 and set(timings) == {"1", "6", "4" + dispatch.SWEEPS, "6" + dispatch.SWEEPS, "3"}
     assert set(timings["4" + dispatch.SWEEPS]) == {str(n) for n in dispatch.STREAM_ROWS_AVX2}
-    assert {rows for rows, _ in calls} == {1, 4, 6}
-    assert tuning.prefetch == 4096 and not tuning.prefetch_l2  # that one timing's best
-    with on_threads(2):  # two threads: 6 rows on both and on one
+    assert set(timings["3"]) == {f"{d},{int(l2)}" for d, l2 in dispatch.PREFETCH}
+    assert {rows for rows, _ in calls} == {1, 3, 4, 6}
+    assert all(t.prefetch == 4096 for rows, t in calls if rows == 4)  # the sweeps ran at 6 rows' distance
+    assert all(t.stream_rows == 3 for rows, t in calls if rows == 3)  # the distance, at the sweep chosen
+    assert tuning.prefetch == 2048 and not tuning.prefetch_l2 and tuning.stream_rows == 3
+    with on_threads(2):  # two threads: 6 rows and 3 rows on both and on one
         tuning, timings = dispatch.tune_gemv(torch.float32, Probe())
-    assert set(timings) == {"1", "6", "6" + dispatch.ONE_THREAD, "4" + dispatch.SWEEPS, "6" + dispatch.SWEEPS}
-    assert tuning.prefetch == 4096 and tuning.stream_rows == 3
+    assert set(timings) == {"1", "6", "6" + dispatch.ONE_THREAD, "4" + dispatch.SWEEPS, "6" + dispatch.SWEEPS,
+                            "3", "3" + dispatch.ONE_THREAD}
+    assert tuning.prefetch == 2048 and tuning.stream_rows == 3
+    # where the 6-row sweep wins, 6 rows' distance stays: nothing is timed again
+    best.update({("sweeps", 4): "6"})
+    slow[("sweeps", 6)] = {}
+    with on_threads(1):
+        tuning, timings = dispatch.tune_gemv(torch.float32, Probe())
+    assert tuning.stream_rows == 6 and tuning.prefetch == 4096 and "3" not in timings

@@ -15,7 +15,8 @@ dispatches to the faster:
 - the gemv's own tuning (``kernels.GemvTuning``): how far ahead, into L1 or L2, it asks for its
   weight stream at one row (``PREFETCH_ONE``'s candidates, timed at 1 row) and at more
   (``PREFETCH``'s, timed at 8 rows, an AVX2-only CPU's 6, on all threads and on one), up to how many rows one sweep of the weights takes them all
-  (``STREAM_ROWS``, timed at 12 and 16 rows; an AVX2-only CPU's ``STREAM_ROWS_AVX2``, at 4 and 6) and, for bf16 on a CPU with AMX, from which row class
+  (``STREAM_ROWS``, timed at 12 and 16 rows; an AVX2-only CPU's ``STREAM_ROWS_AVX2``, at 4 and 6,
+  and where it chooses 3, ``PREFETCH`` again at 3 rows, the most that then read it) and, for bf16 on a CPU with AMX, from which row class
   its tiles beat its vector loop (``fold_amx``).
 
 Each linear candidate reads its own layout of the weights, and a second layout costs a whole
@@ -77,7 +78,7 @@ STREAM_ROWS_AVX2 = (3, 6)
 PROBE_LAYER = ((1152, 896), (896, 896), (9728, 896), (896, 4864))
 PROBE_BYTES = (64 << 20, 512 << 20)  # the probe: twice the last-level cache within these, rounded up to a layer
 FORCE_ENV = "MINISERVE_DISPATCH"
-VERSION = 11  # bump when what is measured or how it is chosen changes
+VERSION = 12  # bump when what is measured or how it is chosen changes
 log = logging.getLogger("miniserve.dispatch")
 
 
@@ -320,9 +321,11 @@ def tune_gemv(dtype: torch.dtype, probe: ProbeWeights, repeats: int = 5) -> tupl
     after): ``PREFETCH_ONE``'s distance timed at 1 row, ``PREFETCH``'s at 8 rows (6 on an AVX2-only
     CPU, whose default sweep takes 6: timed at 8 its rows ran in blocks that ignore the distance, and
     the choice was noise) on all threads and on one (the least summed ratio to each one's best), then
-    ``STREAM_ROWS`` at 12 and 16 rows (the same; AVX2: ``STREAM_ROWS_AVX2`` at 4 and 6), with the
-    seconds that chose them (per row count, row count + ``ONE_THREAD`` and row count + ``SWEEPS``,
-    per ``"distance,l2"`` or ``"stream_rows"``).
+    ``STREAM_ROWS`` at 12 and 16 rows (the same; AVX2: ``STREAM_ROWS_AVX2`` at 4 and 6), and where
+    the sweep chosen is shorter than the rows the distance was timed at (AVX2's 3 rows: past them the
+    rows go in blocks that ignore it), the distance again at that many rows; with the seconds that
+    chose them (per row count, row count + ``ONE_THREAD`` and row count + ``SWEEPS``, per
+    ``"distance,l2"`` or ``"stream_rows"``).
 
     Why 8 rows (AVX2: 6) on one thread too: there a product needs its weights and its arithmetic at once (one
     core's stream reads at most its share of the bandwidth while it multiplies at a core's full
@@ -345,24 +348,31 @@ def tune_gemv(dtype: torch.dtype, probe: ProbeWeights, repeats: int = 5) -> tupl
     one = {f"{d},{int(l2)}": GemvTuning(prefetch_one=d, prefetch_one_l2=l2) for d, l2 in PREFETCH_ONE}
     t = fastest(1, one)
     tuning = one[min(t, key=t.get)]
-    several = {f"{d},{int(l2)}": replace(tuning, prefetch=d, prefetch_l2=l2) for d, l2 in PREFETCH}
     # rows one sweep of the weights takes on every machine at the default stream_rows: 8 with
     # AVX-512; AVX2's loop sweeps 6 (gemv.cpp kSweepRowsAvx2), and past that its rows go in blocks
     # that use no stream distance
     avx512 = "avx512" in cpu_features()
     rows = 8 if avx512 else 6
     threads = torch.get_num_threads()
-    runs = [fastest(rows, several)]
-    if threads > 1:
-        torch.set_num_threads(1)
-        try:
-            runs.append(fastest(rows, several, f"{rows}{ONE_THREAD}"))
-        finally:
-            torch.set_num_threads(threads)
-    tuning = least_summed(several, *runs)
+
+    def distance(base: GemvTuning, rows: int) -> GemvTuning:  # PREFETCH at `rows`, all threads and one
+        several = {f"{d},{int(l2)}": replace(base, prefetch=d, prefetch_l2=l2) for d, l2 in PREFETCH}
+        runs = [fastest(rows, several)]
+        if threads > 1:
+            torch.set_num_threads(1)
+            try:
+                runs.append(fastest(rows, several, f"{rows}{ONE_THREAD}"))
+            finally:
+                torch.set_num_threads(threads)
+        return least_summed(several, *runs)
+
+    tuning = distance(tuning, rows)
     candidates, at_rows = (STREAM_ROWS, (12, 16)) if avx512 else (STREAM_ROWS_AVX2, (4, 6))
     sweeps = {str(n): replace(tuning, stream_rows=n) for n in candidates}
-    return least_summed(sweeps, *(fastest(rows, sweeps, f"{rows}{SWEEPS}") for rows in at_rows)), timings
+    tuning = least_summed(sweeps, *(fastest(rows, sweeps, f"{rows}{SWEEPS}") for rows in at_rows))
+    if tuning.stream_rows < rows:  # AVX2's 3-row sweep: only 2-3 rows read the distance now, so time it there
+        tuning = distance(tuning, tuning.stream_rows)
+    return tuning, timings
 
 
 @torch.inference_mode()
