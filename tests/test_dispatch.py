@@ -254,7 +254,8 @@ def test_a_cached_amx_threshold_is_dropped_where_this_process_has_no_tiles(monke
 def test_the_gemv_tuning_takes_each_row_counts_fastest_distance_apart(monkeypatch):
     """The one-row distance and the several-row one are chosen each at its own row count, levels
     included (a machine whose one row wants 2 KiB into L1 and whose 8 rows want 16 KiB into L2 gets
-    both), then how many rows one sweep takes, at 12 and 16 rows (AVX2: 4 and 6), with those distances."""
+    both), then how many rows one sweep takes, at 12 and 16 rows (AVX2: 4 and 6), with those distances;
+    where AVX2 chooses its 3-row sweep, the several-row distance again at 3 rows."""
     calls = []
 
     class Probe:

@@ -341,7 +341,7 @@ def test_gemv_values_do_not_depend_on_how_the_threads_share_the_panels(dtype, ro
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_tiles_asking_for_each_next_panel_change_no_value(threads):
     """Several panels per run a thread takes (gemv.cpp parallel_panels: 41 panels, runs of 20, 10,
-    5, ... on one thread, 10, 7, 5, ... on two), so every panel but a run's last asks for its
+    5, ... on one thread, 10, 7, 6, 4, ... on two), so every panel but a run's last asks for its
     successor while the tiles multiply (the request is a prefetch: the values are the
     one-panel-per-call values)."""
     g = torch.Generator().manual_seed(3)

@@ -63,7 +63,7 @@ ROW_CLASSES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # against each other on this one
 PREFETCH_ONE = ((0, False), (1 << 10, False), (2 << 10, False), (8 << 10, False), (32 << 10, True))
 PREFETCH = ((2 << 10, False), (4 << 10, False), (16 << 10, False), (8 << 10, True), (16 << 10, True), (32 << 10, True))
-ONE_THREAD = ", one thread"  # tune_gemv's timings of PREFETCH on one thread: "8, one thread" (AVX2: "6, ...")
+ONE_THREAD = ", one thread"  # tune_gemv's timings of PREFETCH on one thread: "8, one thread" (AVX2: "6, ...", "3, ...")
 SWEEPS = ", sweeps"  # its timings of STREAM_ROWS: "12, sweeps" (AVX2: "6, sweeps", apart from PREFETCH's "6")
 # up to how many rows the gemv sweeps the weights once for all rows (past that: 8-row passes over
 # blocks of K in cache): 16 rows' sums fill every AVX-512 register, so the compiler spills
