@@ -508,19 +508,20 @@ def test_decode_attention_equals_exact_attention_over_each_requests_own_keys(dty
 @needs("decode_attention", torch.float32)
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES or [torch.float32])
 def test_decode_attention_values_do_not_depend_on_how_the_threads_share_the_tasks(dtype):
-    """The tasks go in runs of equal keys off a shared counter (decode_attention.cpp attend), so
-    which thread attends a row changes from call to call, and one long row among short ones makes
-    runs with no task: a prefill chunk and decodes of very different lengths on 1, 2 and 3 threads
-    give the same bits, each row its exact attention."""
-    # one decode reads 1000 keys, the chunk's rows 1-37: on 2 and 3 threads some runs get no task
+    """The tasks go one at a time off a shared counter, each thread claiming its next one while
+    tasks are left for the others (decode_attention.cpp attend), so which thread attends a row
+    changes from call to call: a prefill chunk and decodes of very different lengths, and a lone
+    decode (two tasks, fewer than three threads), on 1, 2 and 3 threads give the same bits, each
+    row its exact attention."""
     q, k_store, v_store, slots, lens = _chunk_and_decodes(dtype, 64, 14, 1000)
     op = kernels.decode_attention(dtype, 64)
-    outs = []
-    for threads in (1, 2, 3):
-        with on_threads(threads):
-            outs.append(op(q, k_store, v_store, slots, lens, 64 ** -0.5))
-    assert all(torch.equal(outs[0], out) for out in outs[1:])
-    _assert_exact_attention(outs[:1], q, k_store, v_store, slots, lens, dtype == torch.bfloat16)
+    for rows in (slice(None), slice(-2, -1)):  # all of them; the decode of 1000 keys alone
+        outs = []
+        for threads in (1, 2, 3):
+            with on_threads(threads):
+                outs.append(op(q[rows], k_store, v_store, slots[rows], lens[rows], 64 ** -0.5))
+        assert all(torch.equal(outs[0], out) for out in outs[1:])
+        _assert_exact_attention(outs[:1], q[rows], k_store, v_store, slots[rows], lens[rows], dtype == torch.bfloat16)
 
 
 def _chunk_and_decodes(dtype: torch.dtype, d: int, heads: int, max_len: int):

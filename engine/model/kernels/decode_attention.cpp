@@ -491,68 +491,53 @@ void attend(const T* q, const T* ks, const T* vs, const int64_t* slots, const in
   // bf16 scores by AVX512-BF16 dot products where the CPU has them (and the mask allows them)
   const bool dp = std::is_same_v<T, uint16_t> && NC % 2 == 0 && cpu_has_avx512_bf16();
   const bool avx2_only = !cpu_has_avx512();  // fp32 only (decode_attention_supported)
-  // The tasks go in contiguous runs, each holding an equal share of the keys read (a task costs
-  // its row's length, plus a few keys' worth for its setup: an equal count of tasks would give the
-  // run with a prefill chunk's later rows most of the work, its rows seeing up to the chunk's
-  // length where the first run's see from 1 key), several runs per thread, taken off a shared
-  // counter: where the cores run at different speeds (a VM's vCPU whose core a neighbour's thread
-  // shares, big and little cores) one fixed share each makes every layer wait for the slowest
-  // thread (as gemv.cpp's panels).
-  constexpr int64_t kRunsPerThread = 4;
+  // The tasks are taken one at a time off a shared counter: where the cores run at different speeds
+  // (a VM's vCPU whose core a neighbour's thread shares, big and little cores) a fixed share each
+  // makes every layer wait for the slowest thread (as gemv.cpp's panels), and a prefill chunk's
+  // later rows, which see more keys, balance themselves. A thread claims its next task when it
+  // starts one, while at least one unclaimed task is left for every other thread, so that task's
+  // keys are asked for during this one's value pass by the thread that reads them. Contiguous runs
+  // of tasks, each ending on a hint at the next unclaimed run (which the other thread often took,
+  // its keys then on their way to the wrong core), attended 24 layers of 8 bf16 decodes at 257
+  // keys in 1.06-1.11x the time of this, and 1.9x with a busy loop on one of the two vCPUs
+  // (docs/architecture.md). Near the end, where a claim ahead could leave another thread idle (a
+  // single decode's two tasks), the last tasks are claimed as they are reached and ask for the
+  // next unclaimed task's keys, a hint.
   const int64_t tasks = rows * kv_heads, threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
-  const int64_t runs = std::min(tasks, threads * kRunsPerThread);
-  std::vector<int64_t> bounds(runs + 1, tasks);
-  {
-    constexpr int64_t kTaskSetup = 8;  // in keys
-    int64_t total = 0;
-    for (int64_t r = 0; r < rows; ++r) total += (lens[r] + kTaskSetup) * kv_heads;
-    int64_t done = 0, next = 1;
-    bounds[0] = 0;
-    for (int64_t t = 0; t < tasks && next < runs; ++t) {
-      done += lens[t / kv_heads] + kTaskSetup;
-      while (next < runs && done * runs >= total * next) bounds[next++] = t + 1;
-    }
-  }
-  std::atomic<int64_t> next_run{0};
+  std::atomic<int64_t> next_task{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> qf(G * D), scores, inv_sum(G);
     auto kv_of = [&](int64_t t) { return (slots[t / kv_heads] * kv_heads + t % kv_heads) * max_len * D; };
     auto chunk_row = [&](int64_t r) {  // a row of a prefill chunk: a neighbouring row shares its slot
       return (r > 0 && slots[r - 1] == slots[r]) || (r + 1 < rows && slots[r + 1] == slots[r]);
     };
-    // a run is claimed only when the thread is free for it; the last task of a run asks for the keys
-    // of the run no thread has claimed yet (most often the one this thread takes next; a hint, not a
-    // claim: claiming it then let the first thread to start hold both of a single decode's two
-    // tasks, and the other thread sat idle)
-    for (int64_t run = next_run.fetch_add(1, std::memory_order_relaxed); run < runs;
-         run = next_run.fetch_add(1, std::memory_order_relaxed)) {
-      const int64_t t0 = bounds[run], t1 = bounds[run + 1];
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t r = t / kv_heads, h = t % kv_heads;
-        const int64_t kv = kv_of(t), qo = (r * heads + h * G) * D;
-        // the next task's keys are asked for during this one's value pass, as far as this task has
-        // keys; not within a prefill chunk, whose rows share their slot's keys (in cache already)
-        int64_t tn = t + 1;
-        if (tn == t1) {
-          const int64_t unclaimed = next_run.load(std::memory_order_relaxed);
-          tn = unclaimed < runs ? bounds[unclaimed] : tasks;
+    auto claim = [&]() { return next_task.fetch_add(1, std::memory_order_relaxed); };
+    for (int64_t t = claim(); t < tasks;) {
+      const bool ahead = tasks - next_task.load(std::memory_order_relaxed) >= threads;
+      const int64_t tn = ahead ? claim() : next_task.load(std::memory_order_relaxed);
+      const int64_t r = t / kv_heads, h = t % kv_heads;
+      const int64_t kv = kv_of(t), qo = (r * heads + h * G) * D;
+      // the next task's keys are asked for during this one's value pass, as far as this task has
+      // keys; not within a prefill chunk, whose rows share their slot's keys (in cache already)
+      const T* next_k = nullptr;
+      int64_t next_len = 0;
+      if (tn < tasks) {
+        const int64_t rn = tn / kv_heads;
+        if (slots[rn] != slots[r] || (rn == r && !chunk_row(r))) next_k = ks + kv_of(tn), next_len = lens[rn];
+      }
+      bool attended = false;
+      if constexpr (std::is_same_v<T, float>) {
+        if (avx2_only) {
+          attend_task_avx2<2 * NC>(q + qo, ks + kv, vs + kv, lens[r], G, scale, out + qo, !chunk_row(r), next_k,
+                                   next_len, qf, scores, inv_sum);
+          attended = true;
         }
-        const T* next_k = nullptr;
-        int64_t next_len = 0;
-        if (tn < tasks) {
-          const int64_t rn = tn / kv_heads;
-          if (slots[rn] != slots[r] || (rn == r && !chunk_row(r))) next_k = ks + kv_of(tn), next_len = lens[rn];
-        }
-        if constexpr (std::is_same_v<T, float>) {
-          if (avx2_only) {
-            attend_task_avx2<2 * NC>(q + qo, ks + kv, vs + kv, lens[r], G, scale, out + qo, !chunk_row(r), next_k,
-                                     next_len, qf, scores, inv_sum);
-            continue;
-          }
-        }
+      }
+      if (!attended) {
         attend_task<NC, GB>(q + qo, ks + kv, vs + kv, lens[r], G, scale, out + qo, !chunk_row(r), next_k, next_len,
                             dp, qf, scores, inv_sum);
       }
+      t = ahead ? tn : claim();
     }
   });
 }
