@@ -61,7 +61,7 @@ def main() -> None:
         child(*args.child, args.threads, args.root)
         return
     print(f"checkout {args.root}; peak RSS per fresh process (GB); one copy = the model's parameters' bytes; "
-          f"KV = the slots' full size (committed only where written)")
+          f"KV = the slots' full size (committed when the runner starts)")
     for model in args.models.split(","):
         for dtype in args.dtypes.split(","):
             env = dict(os.environ, PYTHONPATH=args.root)

@@ -7,8 +7,9 @@ from the slot into this store at the block id the plan names (``BatchPlan.kv_sav
 request is admitted with a prefix hit, the runner copies the hit blocks from the store into the
 new slot (``kv_loads``) before the forward, which then computes only the rest of the prompt.
 Each cached token costs two copies (in, out) instead of a block table in the attention kernels
-(docs/architecture.md, "Prefix caching"). Storage is allocated like the slots: one anonymous
-mapping committed only where written.
+(docs/architecture.md, "Prefix caching"). Storage is one anonymous mapping committed only where
+written, unlike the slots' huge pages committed at start: a block is copied whole, never streamed
+by the attention, and most of a large store may never be written.
 """
 
 from __future__ import annotations
