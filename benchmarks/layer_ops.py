@@ -1,6 +1,8 @@
 """miniserve's fused layer ops (engine/model/kernels/layer_ops.cpp) against the stock torch ops they
 replace, in one process: whole model calls through ModelRunner with the fused ops switched off and
 on call by call (benchmarks/calls.py), decode B=1, 8, 32 at context 256 and a 128-token prefill.
+Where the gemv runs the gate/up product, SiLU·up is made inside it on both arms (gate_up_silu), so
+the arms differ by the norms and the rotary there.
 
     flock /tmp/miniserve-bench.lock python benchmarks/layer_ops.py [--dtypes float32,bfloat16]
 """

@@ -254,6 +254,50 @@ def test_bad_input_is_a_clear_error(make, message):
 
 
 @needs("gemv", torch.float32)
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from([d for d, ok in EXPECTED.items() if ok] or [torch.float32]), rows=st.integers(1, 150),
+       k=st.integers(1, 200), groups=st.integers(1, 9), seed=st.integers(0, 2**16),
+       block=st.sampled_from([8, 16, 64]), k_block=st.sampled_from([2, 64, 256]), stream_rows=st.sampled_from([3, 8, 16]))
+def test_gate_up_silu_gives_the_gemv_then_silu_mul_bits(dtype, rows, k, groups, seed, block, k_block, stream_rows):
+    """The activation made in the gate/up product's finish (panels of 16 gate and 16 up outputs)
+    equals the product over the weight as it is followed by the fused silu_mul, bit for bit: every
+    sweep, block and row chunk of the gemv ends in the same finish."""
+    inter = 16 * groups
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(2 * inter, k, generator=g).to(dtype)
+    tuning = kernels.GemvTuning(stream_rows=stream_rows)
+    expected = kernels.layer_ops(dtype).silu_mul(kernels.gemv(dtype)(x, kernels.pack_panels(w), None, block, k_block,
+                                                                     tuning), inter)
+    fused = kernels.gate_up_silu(dtype)(x, kernels.pack_panels(kernels.interleave_gate_up(w, inter)), block, k_block,
+                                        tuning)
+    assert fused.shape == (rows, inter) and torch.equal(fused, expected)
+
+
+def test_interleaving_gate_and_up_alternates_groups_of_16_rows():
+    w = torch.arange(64.0)[:, None].expand(64, 3)  # gate rows 0-31, up rows 32-63
+    order = kernels.interleave_gate_up(w, 32)[:, 0].long().tolist()
+    assert order == [*range(0, 16), *range(32, 48), *range(16, 32), *range(48, 64)]
+    with pytest.raises(ValueError, match="inter a multiple of 16"):
+        kernels.interleave_gate_up(torch.randn(48, 3), 24)
+    with pytest.raises(ValueError, match="a gate/up weight of 64 rows"):
+        kernels.interleave_gate_up(torch.randn(48, 3), 32)
+
+
+@needs("gemv", torch.float32)
+@pytest.mark.parametrize("make, message", [
+    (lambda: (torch.randn(1, 8), kernels.pack_panels(torch.randn(48, 8)).data, 24, 8), "multiple of 16, got 24"),
+    (lambda: (torch.randn(1, 8), kernels.pack_panels(torch.randn(64, 8)).data, 16, 8), "do not hold 32 outputs"),
+    (lambda: (torch.randn(2, 9), kernels.pack_panels(torch.randn(64, 8)).data, 32, 8),
+     "x has 9 columns, the panels were packed for 8"),
+    (lambda: (torch.randn(0, 8), kernels.pack_panels(torch.randn(64, 8)).data, 32, 8), "at least one row, got 0"),
+])
+def test_gate_up_silu_bad_input_is_a_clear_error(make, message):
+    kernels.gemv(torch.float32)  # built and registered
+    with pytest.raises(RuntimeError, match="miniserve::gate_up_silu: .*" + message):
+        torch.ops.miniserve.gate_up_silu.default(*make())
+
+
+@needs("gemv", torch.float32)
 @settings(max_examples=20, deadline=None)
 @given(dtype=st.sampled_from([d for d, ok in EXPECTED.items() if ok] or [torch.float32]), rows=st.integers(1, 40),
        k=st.integers(1, 200), n=st.integers(1, 100), seed=st.integers(0, 2**16))
@@ -434,12 +478,13 @@ def test_the_engine_runs_each_row_count_on_the_candidate_the_table_chose(monkeyp
     lean.stack = None  # the Python loop's calls, one per product (the one-call layers: test_model_runner.py)
     assert all(p.panels is not None and p.packed is not None and p.plain is not None for p in lean.projections)
     calls = []
-    for name in ("gemv", "onednn_linear", "linear"):
-        owner = lean if name == "gemv" else dispatch if name == "onednn_linear" else F
+    for name in ("gemv", "gate_up", "onednn_linear", "linear"):
+        owner = lean if name in ("gemv", "gate_up") else dispatch if name == "onednn_linear" else F
         real = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda x, *rest, real=real, name=name: calls.append((name, x.shape[0]))
                             or real(x, *rest))
-    per_token_rows = 4 * runner.model.config.num_hidden_layers  # qkv, o, gate/up, down
+    layers = runner.model.config.num_hidden_layers
+    per_token_rows = 4 * layers  # qkv, o, gate/up, down
     reqs = {f"r{i}": Request(f"r{i}", list(range(1, 200)), 4) for i in range(4)}
     ids = tuple(reqs)
 
@@ -448,7 +493,8 @@ def test_the_engine_runs_each_row_count_on_the_candidate_the_table_chose(monkeyp
         runner.execute(BatchPlan("continuous", ids[:len(n)], n, ctx, samples, sum(1 for t in n if t == 1)), reqs)
         assert calls == expected
 
-    run((1,), (0,), (True,), [("gemv", 1)] * (per_token_rows + 1))
+    # on the gemv, gate/up and its activation are one call (gate_up_silu over interleaved panels)
+    run((1,), (0,), (True,), [("gemv", 1), ("gemv", 1), ("gate_up", 1), ("gemv", 1)] * layers + [("gemv", 1)])
     run((30, 30, 30), (0, 0, 0), (False, False, True), [("onednn_linear", 90)] * per_token_rows + [("gemv", 1)])
     run((1, 45, 45, 45), (1, 0, 0, 0), (True,) * 4, [("linear", 136)] * per_token_rows + [("gemv", 4)])
 
@@ -775,7 +821,9 @@ def test_layer_ops_bad_input_is_a_clear_error(make, message):
 
 
 @needs("layer_ops", torch.float32)
-def test_the_engine_makes_three_fused_calls_per_layer():
+def test_the_engine_makes_three_fused_calls_per_layer_and_the_activation_in_the_gate_up_product():
+    """Two norms and the rotary per layer through the fused layer ops; silu(gate) · up inside the
+    gate/up product where the gemv runs it (gate_up_silu), else one silu_mul after it."""
     runner = ModelRunner(ModelConfig(name="tiny"), SchedulerConfig(max_num_seqs=4, max_model_len=64))
     lean, calls = runner._lean, []
     real = lean.ops
@@ -788,8 +836,10 @@ def test_the_engine_makes_three_fused_calls_per_layer():
     layers = runner.model.config.num_hidden_layers
     reqs = {f"r{i}": Request(f"r{i}", list(range(1, 20)), 4) for i in range(2)}
     runner.execute(BatchPlan("continuous", tuple(reqs), (8, 1), (0, 0), (True, True), 0), reqs)
-    per_layer = ["add_rms_norm", "rotary_kv", "add_rms_norm", "silu_mul"]
+    fused = lean.gate_up is not None and lean._by_rows[9] == "gemv"
+    per_layer = ["add_rms_norm", "rotary_kv", "add_rms_norm"] + ([] if fused else ["silu_mul"])
     assert calls == per_layer * layers + ["add_rms_norm"]  # and the final norm, of the sampled rows
+    assert (lean.gate_up is not None) == (lean.gemv is not None)  # tiny's MLP width (128) interleaves
 
 
 ARGMAX_DTYPES = [d for d in (torch.float32, torch.bfloat16) if ON and kernels.can_run("argmax", d)]

@@ -61,6 +61,7 @@ class Projection:
     bias: torch.Tensor | None
     row_block: int
     k_block: int
+    gate_up_inter: int = 0  # the MLP's width where the panels interleave gate and up (gate_up_silu reads them)
 
 
 def _weights_moved(*args, **kwargs):
@@ -89,6 +90,11 @@ class LeanQwen2:
         self.choices = dispatch.linear_choices(model.dtype)
         self._by_rows = [dispatch.choice_for_rows(self.choices, r) for r in range(dispatch.ROW_CLASSES[-1] + 1)]
         self.gemv = kernels.gemv(model.dtype) if "gemv" in self.choices else None
+        # the gate/up product and its activation as one kernel call where the gemv runs it (its panels
+        # then interleave gate and up; oneDNN's and F.linear's copies keep the weight's order)
+        interleave = (self.gemv is not None and
+                      all(layer.mlp.gate_proj.out_features % kernels.GATE_UP_GROUP == 0 for layer in inner.layers))
+        self.gate_up = kernels.gate_up_silu(model.dtype) if interleave else None
         self.gemv_tuning = dispatch.gemv_tuning(model.dtype)
         self._projector = self._gemv_projector()
         self.ops = kernels.layer_ops(model.dtype) or kernels.TORCH_LAYER_OPS
@@ -101,9 +107,10 @@ class LeanQwen2:
             if any(b is None for b in biases) and any(b is not None for b in biases):
                 raise ValueError("mixed q/k/v biases")
             qkv_b = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
-            specs += [([a.q_proj, a.k_proj, a.v_proj], qkv_b), ([a.o_proj], a.o_proj.bias),
-                      ([mlp.gate_proj, mlp.up_proj], None), ([mlp.down_proj], mlp.down_proj.bias)]
-        specs.append(([model.lm_head], model.lm_head.bias))
+            inter = mlp.gate_proj.out_features if self.gate_up is not None else 0
+            specs += [([a.q_proj, a.k_proj, a.v_proj], qkv_b, 0), ([a.o_proj], a.o_proj.bias, 0),
+                      ([mlp.gate_proj, mlp.up_proj], None, inter), ([mlp.down_proj], mlp.down_proj.bias, 0)]
+        specs.append(([model.lm_head], model.lm_head.bias, 0))
         tied = model.lm_head.weight.data_ptr() == self.embed.data_ptr()
         embed_from_panels = tied and "gemv" in self.choices
         self.projections = self._pack(specs, model.dtype, keep=None if embed_from_panels else self.embed)
@@ -135,7 +142,7 @@ class LeanQwen2:
         miniserve's kernels here (gemv panels, fused layer ops, the attention kernel) and the layers
         share their shapes; else None (the Python loop)."""
         make = kernels.decoder_layers()
-        if (make is None or self.gemv is None or self._attention is None
+        if (make is None or self.gemv is None or self.gate_up is None or self._attention is None
                 or self.ops is kernels.TORCH_LAYER_OPS or not self.layers):
             return None
         d = self.head_dim
@@ -167,20 +174,22 @@ class LeanQwen2:
         it (``keep``: the embedding, where the forward reads it plain), so the model's weights and
         their packed copies never all sit in memory together."""
         need = set(self.choices)
-        shapes = [(sum(m.out_features for m in mods), mods[0].in_features) for mods, _ in specs]
+        shapes = [(sum(m.out_features for m in mods), mods[0].in_features) for mods, _, _ in specs]
         arena = (kernels.huge_page_arena([kernels.panel_shape(n, k, dtype) for n, k in shapes], dtype)
                  if "gemv" in need else [None] * len(specs))
         esize = torch.empty((), dtype=dtype).element_size()
         keep_ptr = None if keep is None else keep.data_ptr()
         out = []
-        for (mods, bias), (n, k), buf in zip(specs, shapes, arena):
+        for (mods, bias, inter), (n, k), buf in zip(specs, shapes, arena):
             w = torch.cat([m.weight.detach() for m in mods]) if len(mods) > 1 else mods[0].weight.detach()
             plain = w if "torch" in need else None
+            panels = None
+            if "gemv" in need:
+                panels = kernels.pack_panels(kernels.interleave_gate_up(w, inter) if inter else w, out=buf)
             out.append(Projection(
-                n, kernels.pack_panels(w, out=buf) if "gemv" in need else None,
-                dispatch.onednn_pack(w) if "onednn" in need else None,
+                n, panels, dispatch.onednn_pack(w) if "onednn" in need else None,
                 plain, None if bias is None else bias.detach(), dispatch.row_block(k, esize),
-                dispatch.k_block(esize)))
+                dispatch.k_block(esize), inter))
             del w
             for m in mods:  # F.linear's plain weight is the parameter itself: kept as it is
                 if m.weight.data_ptr() not in (keep_ptr, None if plain is None else plain.data_ptr()):
@@ -215,6 +224,15 @@ class LeanQwen2:
         if choice == "onednn":
             return dispatch.onednn_linear(x, p.packed, p.bias)
         return F.linear(x, p.plain, p.bias)
+
+    def _gate_up_silu(self, x: torch.Tensor, p: Projection, inter: int) -> torch.Tensor:
+        """silu(x · gateᵀ) · (x · upᵀ): one call where the gemv runs these rows on interleaved panels,
+        else the product by the candidate chosen and then the activation."""
+        rows = x.shape[0]
+        choice = self._by_rows[rows] if rows < len(self._by_rows) else self.choices[-1]
+        if p.gate_up_inter and choice == "gemv" and rows:
+            return self.gate_up(x.contiguous(), p.panels, p.row_block, p.k_block, self.gemv_tuning)
+        return self.ops.silu_mul(self._project(x, p), inter)
 
     def _gemv_projector(self):
         """Where the gemv runs every row count: ``_project`` without its per-call choice (a step
@@ -263,7 +281,7 @@ class LeanQwen2:
             else:
                 attn, _ = ragged_attention(None, q.transpose(0, 1)[None], k_store, v_store, batch, scaling=scaling)
             x = ops.add_rms_norm(h, project(attn.reshape(t, -1), o), ln2, eps2)
-            delta = project(ops.silu_mul(project(x, gu), inter), down)
+            delta = project(self._gate_up_silu(x, gu, inter), down)
         return self._head(h, delta, rows)
 
     def _head(self, h: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

@@ -307,6 +307,39 @@ def gemv(dtype: torch.dtype):
     return run
 
 
+def gate_up_silu(dtype: torch.dtype):
+    """x (rows, k) -> silu(x · gateᵀ) · (x · upᵀ) (rows, inter) for ``dtype`` on this CPU, from one
+    product over ``pack_panels(interleave_gate_up(w, inter))`` (w: gate's rows then up's, as the
+    MLP's fused gate/up weight; no bias), or None where the gemv does not run. The same bits as the
+    gemv over ``pack_panels(w)`` then ``silu_mul``; each panel's 16 outputs are made where they were
+    summed (gemv.cpp gate_up_silu)."""
+    if gemv(dtype) is None:
+        return None
+    op = torch.ops.miniserve.gate_up_silu.default
+
+    def run(x: torch.Tensor, panels: Panels, row_block: int = 64, k_block: int = 256,
+            tuning: GemvTuning = GemvTuning()) -> torch.Tensor:
+        return op(x, panels.data, panels.n // 2, panels.k, row_block, k_block, tuning.prefetch_one,
+                  tuning.prefetch, tuning.prefetch_l2, tuning.amx_rows, tuning.prefetch_one_l2,
+                  tuning.stream_rows)
+
+    return run
+
+
+GATE_UP_GROUP = 16  # gate and up outputs alternate in groups of this many (gemv.cpp finish_silu)
+
+
+def interleave_gate_up(w: torch.Tensor, inter: int) -> torch.Tensor:
+    """The fused gate/up weight (2·inter, k) with its rows reordered so that every PANEL of
+    ``pack_panels`` holds 16 gate outputs and the same 16 up outputs: what ``gate_up_silu`` reads."""
+    if w.shape[0] != 2 * inter or inter % GATE_UP_GROUP:
+        raise ValueError(f"a gate/up weight of {2 * inter} rows with inter a multiple of {GATE_UP_GROUP} "
+                         f"interleaves, got {tuple(w.shape)} and inter {inter}")
+    groups = inter // GATE_UP_GROUP
+    gate, up = w[:inter].view(groups, GATE_UP_GROUP, -1), w[inter:].view(groups, GATE_UP_GROUP, -1)
+    return torch.stack([gate, up], dim=1).reshape(2 * inter, -1)
+
+
 @functools.cache
 def gemv_pass_rows() -> int:
     """Rows per pass of the gemv past its one sweep: gemv.cpp's kBlockRows with AVX-512 (8; the bf16

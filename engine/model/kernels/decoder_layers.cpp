@@ -1,8 +1,8 @@
 // miniserve.DecoderLayers — every decoder layer of a step in one call from Python: the same kernels the
-// lean forward calls one by one (gemv, add_rms_norm, rotary_kv, decode_attention, silu_mul), in the
-// same order on the same tensors, so the logits are the same bits.
+// lean forward calls one by one (gemv, add_rms_norm, rotary_kv, decode_attention, gate_up_silu), in
+// the same order on the same tensors, so the logits are the same bits.
 //
-// Why: a layer is nine kernel calls, and from Python each costs its argument parsing and dispatch
+// Why: a layer is eight kernel calls, and from Python each costs its argument parsing and dispatch
 // (~7 us a call); at 24 layers that is ~1.5 ms of a decode step during which no core reads weights
 // or multiplies. Where a step's products all run on the gemv and its attention on the kernel (what
 // dispatch.py chose for that row count on this machine), engine/model/lean_qwen2.py hands the whole
@@ -34,7 +34,8 @@ enum Scalar { kEps1, kEps2, kQkEps, kScale, kScalars };
 enum Projection { kPQkv, kPO, kPGateUp, kPDown, kProjections };
 
 struct DecoderLayers : torch::CustomClassHolder {
-  // weights: kWeights per layer (the products' as packed panels); optionals: kOptionals per layer
+  // weights: kWeights per layer (the products' as packed panels, gate/up's interleaved for
+  // gate_up_silu: engine.kernels.interleave_gate_up); optionals: kOptionals per layer
   // (biases, Qwen3's q/k norms; None where the model has none); scalars: kScalars per layer;
   // dims: heads, kv_heads, head_dim, intermediate size; blocks: each projection's row_block, then
   // each one's k_block (dispatch.row_block / k_block); tuning: GemvTuning's fields in order
@@ -58,6 +59,11 @@ struct DecoderLayers : torch::CustomClassHolder {
     TORCH_CHECK(tuning_.size() == 6, op, "the gemv tuning has 6 fields, got ", tuning_.size());
     optionals_.reserve(optionals.size());
     for (const auto& t : optionals) optionals_.push_back(t);
+    for (int64_t i = 0; i < layers_; ++i) {
+      const auto& bias = optionals_[i * kOptionals + kGateUpBias];
+      TORCH_CHECK(!(bias.has_value() && bias->defined()), op, "layer ", i, "'s gate/up has a bias, which ",
+                  "gate_up_silu does not add");
+    }
     heads_ = dims[0], kv_heads_ = dims[1], head_dim_ = dims[2], inter_ = dims[3];
     TORCH_CHECK(heads_ >= 1 && kv_heads_ >= 1 && head_dim_ >= 1 && inter_ >= 1, op, "dims must be positive");
     hidden_ = weights_[kLn1].size(0);
@@ -101,9 +107,11 @@ struct DecoderLayers : torch::CustomClassHolder {
       x = norm(h, project(attn.view({tokens, heads_ * head_dim_}), w[kO], opt[kOBias], kPO), w[kLn2], s[kEps2]);
       at::Tensor act;
       {
-        at::Tensor gu = project(x, w[kGateUp], opt[kGateUpBias], kPGateUp);
-        RECORD_FUNCTION("miniserve::silu_mul", std::vector<c10::IValue>({gu}));
-        act = miniserve_ops::silu_mul(gu, inter_);
+        RECORD_FUNCTION("miniserve::gate_up_silu", std::vector<c10::IValue>({x, w[kGateUp]}));
+        const auto& t = tuning_;
+        act = miniserve_ops::gate_up_silu(x, w[kGateUp], inter_, hidden_, blocks_[kPGateUp],
+                                          blocks_[kProjections + kPGateUp], t[0], t[1], t[2] != 0, t[3], t[4] != 0,
+                                          t[5]);
       }
       delta = project(act, w[kDown], opt[kDownBias], kPDown);
     }

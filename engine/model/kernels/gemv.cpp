@@ -286,6 +286,29 @@ MINISERVE_TARGET_AVX2 void finish_panel_avx2(const float* part, int64_t rows, co
   }
 }
 
+// gate_up_silu's finish: panel p of interleaved gate/up weights holds gate outputs 16p..16p+15 in
+// its first 16 columns and the same up outputs in its last 16 (engine.kernels.interleave_gate_up),
+// so y[rows, 16p..16p+15] = silu(gate) · up from the panel's own sums, each rounded to T first as
+// the gemv's outputs would be before layer_ops' silu_mul read them: the same bits as the two ops
+template <typename T>
+MINISERVE_TARGET void finish_silu(const float* part, int64_t rows, T* y, int64_t p, int64_t inter) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m512 gate = round_to(y, _mm512_loadu_ps(part + m * kPanel));
+    const __m512 up = round_to(y, _mm512_loadu_ps(part + m * kPanel + 16));
+    store16(y + m * inter + p * 16, silu_times(y, gate, up));
+  }
+}
+
+// finish_silu in AVX2 (fp32)
+MINISERVE_TARGET_AVX2 void finish_silu_avx2(const float* part, int64_t rows, float* y, int64_t p, int64_t inter) {
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t j = 0; j < 16; j += 8) {
+      const __m256 gate = _mm256_loadu_ps(part + m * kPanel + j), up = _mm256_loadu_ps(part + m * kPanel + 16 + j);
+      _mm256_storeu_ps(y + m * inter + p * 16 + j, silu_times8(gate, up));
+    }
+  }
+}
+
 // fn(integral_constant<M>) for M = rows in [1, Max) and Max past that
 template <int Max, int M = 1, typename Fn>
 void for_rows(int64_t rows, Fn&& fn) {
@@ -353,7 +376,7 @@ void parallel_panels(int64_t panels, Fn&& fn) {
 // pass at 8 rows). Even so the passes over a block overlap memory less than one sweep does, hence
 // stream_rows.
 template <int64_t BlockRows, int64_t StreamRows, typename T, typename Kernel, typename Finish>
-void run_panels(const T* xp, const T* wpp, const T* bp, T* yp, int64_t M, int64_t N, int64_t K, int64_t steps,
+void run_panels(const T* xp, const T* wpp, int64_t M, int64_t N, int64_t K, int64_t steps,
                 int64_t block_steps, int64_t row_block, int64_t stream_rows, Prefetch stream, Kernel&& kernel,
                 Finish&& finish) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
@@ -401,7 +424,7 @@ void run_panels(const T* xp, const T* wpp, const T* bp, T* yp, int64_t M, int64_
             });
           }
         }
-        finish(part.data(), rows, bp, yp + r0 * N, p, N);
+        finish(part.data(), r0, rows, p);
       }
     });
   });
@@ -505,8 +528,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void panel_amx(const uint16_t* x, i
 // memory latency, which the short `ahead` alone did not (docs/architecture.md has the figures).
 // What the tiles do not cover (an odd K's last pair, the k pairs past
 // the last 16) panel_bf16 adds to the tiles' sums.
-void run_panels_amx(const uint16_t* xp, const uint16_t* wpp, const uint16_t* bp, uint16_t* yp, int64_t M, int64_t N,
-                    int64_t K, int64_t row_block, Prefetch stream) {
+template <typename Finish>
+void run_panels_amx(const uint16_t* xp, const uint16_t* wpp, int64_t M, int64_t N, int64_t K, int64_t row_block,
+                    Prefetch stream, Finish&& finish) {
   const int64_t panels = (N + kPanel - 1) / kPanel, pairs = (K + 1) / 2, kk_tiles = K / 2 / 16 * 16;
   const int64_t panel_elems = pairs * kPanel * 2, block = std::max<int64_t>(32, row_block / 32 * 32);
   for (int64_t r0 = 0; r0 < M; r0 += block) {
@@ -550,7 +574,7 @@ void run_panels_amx(const uint16_t* xp, const uint16_t* wpp, const uint16_t* bp,
                                                   Prefetch{});
           });
         }
-        finish_panel<uint16_t>(sums, rows, bp, yp + r0 * N, p, N);
+        finish(sums, r0, rows, p);
       }
       if (shape) amx_release();
     });
@@ -575,6 +599,100 @@ bool gemv_amx_supported() {
   return false;
 }
 
+// The vector loop (or tiles) each kind of product runs on, as a tag its finish is told
+struct Avx512 {};
+struct Avx2 {};
+
+template <typename T>
+T* elems(const at::Tensor& t) {
+  if constexpr (std::is_same_v<T, float>) {
+    return t.data_ptr<float>();
+  } else {
+    return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>());
+  }
+}
+
+// The checks every product on panels makes (`op` names it in the errors): x (rows, K) against
+// panels holding N outputs of K inputs, and the tuning's ranges
+void check_product(const char* op, const at::Tensor& x, const at::Tensor& wp, int64_t N, int64_t K, int64_t row_block,
+                   int64_t k_block, int64_t prefetch_one, int64_t prefetch, int64_t amx_rows, int64_t stream_rows) {
+  TORCH_CHECK(gemv_supported(x.scalar_type()), op, "no kernel for ", x.scalar_type(), " on this CPU");
+  TORCH_CHECK(x.dim() == 2, op, "x must be 2-D (rows, K)");
+  TORCH_CHECK(x.is_contiguous() && wp.is_contiguous(), op, "x and the panels must be contiguous");
+  TORCH_CHECK(wp.scalar_type() == x.scalar_type(), op, "x is ", x.scalar_type(), ", the panels are ",
+              wp.scalar_type());
+  TORCH_CHECK(x.size(1) == K, op, "x has ", x.size(1), " columns, the panels were packed for ", K);
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  const std::vector<int64_t> shape = x.scalar_type() == at::kBFloat16
+                                         ? std::vector<int64_t>{panels, (K + 1) / 2, kPanel, 2}
+                                         : std::vector<int64_t>{panels, K, kPanel};
+  TORCH_CHECK(N >= 1 && wp.sizes() == at::IntArrayRef(shape), op, "panels of shape ", wp.sizes(), " do not hold ", N,
+              " outputs of ", K, " inputs (pack them with engine.kernels.pack_panels)");
+  TORCH_CHECK(x.size(0) >= 1, op, "at least one row, got ", x.size(0));
+  TORCH_CHECK(row_block >= kBlockRows && row_block % kBlockRows == 0, op, "row_block must be a multiple of ",
+              kBlockRows, ", got ", row_block);
+  TORCH_CHECK(k_block >= 2 && k_block % 2 == 0, op, "k_block must be even and at least 2, got ", k_block);
+  TORCH_CHECK(prefetch_one >= 0 && prefetch >= 0, op, "prefetch distances are bytes >= 0, got ", prefetch_one,
+              " and ", prefetch);
+  TORCH_CHECK(amx_rows >= 0, op, "amx_rows must be >= 0 (0: never), got ", amx_rows);
+  TORCH_CHECK(stream_rows >= kPassRowsAvx2 && stream_rows <= kStreamRowsMax, op, "stream_rows must be in [",
+              kPassRowsAvx2, ", ", kStreamRowsMax, "], got ", stream_rows);
+  TORCH_CHECK(amx_rows == 0 || gemv_amx_supported(), op, "amx_rows=", amx_rows,
+              " but this CPU (as allowed) has no AMX bf16 tiles");
+}
+
+// x times the panels (N outputs), each panel's finished sums handed to
+// finish(isa tag, (T*) nullptr, sums, first row, rows, panel): what the product makes of them
+#ifdef MINISERVE_X86
+template <typename Finish>
+void run_product(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64_t K, int64_t row_block, int64_t k_block,
+                 int64_t prefetch_one, int64_t prefetch, bool prefetch_l2, int64_t amx_rows, bool prefetch_one_l2,
+                 int64_t stream_rows, Finish&& finish) {
+  const int64_t M = x.size(0);
+  Prefetch stream;
+  stream.ahead = (M > 1 ? prefetch : prefetch_one) / kStepBytes;
+  stream.to_l2 = M > 1 ? prefetch_l2 : prefetch_one_l2;
+  auto finish_as = [&](auto isa, auto* type) {
+    return [&finish, isa, type](const float* part, int64_t r0, int64_t rows, int64_t p) {
+      finish(isa, type, part, r0, rows, p);
+    };
+  };
+  if (x.scalar_type() == at::kFloat && cpu_has_avx512()) {
+    run_panels<kBlockRows, kStreamRowsMax>(elems<float>(x), elems<float>(wp), M, N, K, K, k_block, row_block,
+               stream_rows, stream,
+               [](auto rows, auto spread, auto&&... args) {
+                 panel_f32<decltype(rows)::value, decltype(spread)::value>(args...);
+               },
+               finish_as(Avx512{}, static_cast<float*>(nullptr)));
+  } else if (x.scalar_type() == at::kFloat) {
+    // the AVX2 passes work in sub-blocks of kSubSteps, so a k block is whole sub-blocks: two
+    // thirds of a 32 KiB L1 (170 steps) would run as 128 + 42, the short one paying every pass's
+    // set-up for a third of a sub-block's work. The next block each pass asks for shrinks with it
+    // (docs/architecture.md has the figures)
+    const int64_t avx2_block = std::max(kSubSteps, k_block / kSubSteps * kSubSteps);
+    run_panels<kPassRowsAvx2, kSweepRowsAvx2>(elems<float>(x), elems<float>(wp), M, N, K, K, avx2_block, row_block,
+               stream_rows, stream,
+               [](auto rows, auto spread, auto&&... args) {
+                 panel_f32_avx2<decltype(rows)::value, decltype(spread)::value>(args...);
+               },
+               finish_as(Avx2{}, static_cast<float*>(nullptr)));
+#ifdef MINISERVE_AMX
+  } else if (amx_rows && M >= amx_rows) {
+    run_panels_amx(elems<uint16_t>(x), elems<uint16_t>(wp), M, N, K, row_block, stream,
+                   finish_as(Avx512{}, static_cast<uint16_t*>(nullptr)));
+#endif
+  } else {
+    run_panels<kBlockRows, kStreamRowsMax>(static_cast<const uint16_t*>(elems<uint16_t>(x)),
+               static_cast<const uint16_t*>(elems<uint16_t>(wp)), M, N, K, (K + 1) / 2, (k_block + 1) / 2, row_block,
+               stream_rows, stream,
+               [](auto rows, auto spread, auto&&... args) {
+                 panel_bf16<decltype(rows)::value, decltype(spread)::value>(args...);
+               },
+               finish_as(Avx512{}, static_cast<uint16_t*>(nullptr)));
+  }
+}
+#endif  // MINISERVE_X86
+
 }  // namespace
 
 namespace miniserve_ops {
@@ -587,75 +705,51 @@ namespace miniserve_ops {
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias, int64_t N,
                int64_t K, int64_t row_block, int64_t k_block, int64_t prefetch_one, int64_t prefetch,
                bool prefetch_l2, int64_t amx_rows, bool prefetch_one_l2, int64_t stream_rows) {
-  TORCH_CHECK(gemv_supported(x.scalar_type()), "miniserve::gemv: no kernel for ", x.scalar_type(), " on this CPU");
-  TORCH_CHECK(x.dim() == 2, "miniserve::gemv: x must be 2-D (rows, K)");
-  TORCH_CHECK(x.is_contiguous() && wp.is_contiguous(), "miniserve::gemv: x and the panels must be contiguous");
-  TORCH_CHECK(wp.scalar_type() == x.scalar_type(), "miniserve::gemv: x is ", x.scalar_type(), ", the panels are ",
-              wp.scalar_type());
-  TORCH_CHECK(x.size(1) == K, "miniserve::gemv: x has ", x.size(1), " columns, the panels were packed for ", K);
-  const int64_t M = x.size(0), panels = (N + kPanel - 1) / kPanel;
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const std::vector<int64_t> shape = bf16 ? std::vector<int64_t>{panels, (K + 1) / 2, kPanel, 2}
-                                          : std::vector<int64_t>{panels, K, kPanel};
-  TORCH_CHECK(N >= 1 && wp.sizes() == at::IntArrayRef(shape), "miniserve::gemv: panels of shape ", wp.sizes(),
-              " do not hold ", N, " outputs of ", K, " inputs (pack them with engine.kernels.pack_panels)");
-  TORCH_CHECK(M >= 1, "miniserve::gemv: at least one row, got ", M);
-  TORCH_CHECK(row_block >= kBlockRows && row_block % kBlockRows == 0, "miniserve::gemv: row_block must be a ",
-              "multiple of ", kBlockRows, ", got ", row_block);
-  TORCH_CHECK(k_block >= 2 && k_block % 2 == 0, "miniserve::gemv: k_block must be even and at least 2, got ", k_block);
-  TORCH_CHECK(prefetch_one >= 0 && prefetch >= 0, "miniserve::gemv: prefetch distances are bytes >= 0, got ",
-              prefetch_one, " and ", prefetch);
-  TORCH_CHECK(amx_rows >= 0, "miniserve::gemv: amx_rows must be >= 0 (0: never), got ", amx_rows);
-  TORCH_CHECK(stream_rows >= kPassRowsAvx2 && stream_rows <= kStreamRowsMax, "miniserve::gemv: stream_rows must be in [",
-              kPassRowsAvx2, ", ", kStreamRowsMax, "], got ", stream_rows);
-  TORCH_CHECK(amx_rows == 0 || gemv_amx_supported(), "miniserve::gemv: amx_rows=", amx_rows,
-              " but this CPU (as allowed) has no AMX bf16 tiles");
+  check_product("miniserve::gemv: ", x, wp, N, K, row_block, k_block, prefetch_one, prefetch, amx_rows, stream_rows);
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
                     bias->scalar_type() == x.scalar_type(),
                 "miniserve::gemv: bias must be a contiguous (", N, ",) tensor of x's dtype");
   }
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
 #ifdef MINISERVE_X86
-  Prefetch stream;
-  stream.ahead = (M > 1 ? prefetch : prefetch_one) / kStepBytes;
-  stream.to_l2 = M > 1 ? prefetch_l2 : prefetch_one_l2;
-  auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); };
-  if (!bf16 && cpu_has_avx512()) {
-    run_panels<kBlockRows, kStreamRowsMax>(x.data_ptr<float>(), wp.data_ptr<float>(),
-               has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N, K, K, k_block, row_block,
-               stream_rows, stream,
-               [](auto rows, auto spread, auto&&... args) {
-                 panel_f32<decltype(rows)::value, decltype(spread)::value>(args...);
-               },
-               [](auto&&... args) { finish_panel<float>(args...); });
-  } else if (!bf16) {
-    // the AVX2 passes work in sub-blocks of kSubSteps, so a k block is whole sub-blocks: two
-    // thirds of a 32 KiB L1 (170 steps) would run as 128 + 42, the short one paying every pass's
-    // set-up for a third of a sub-block's work. The next block each pass asks for shrinks with it
-    // (docs/architecture.md has the figures)
-    const int64_t avx2_block = std::max(kSubSteps, k_block / kSubSteps * kSubSteps);
-    run_panels<kPassRowsAvx2, kSweepRowsAvx2>(x.data_ptr<float>(), wp.data_ptr<float>(),
-               has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N, K, K, avx2_block,
-               row_block, stream_rows, stream,
-               [](auto rows, auto spread, auto&&... args) {
-                 panel_f32_avx2<decltype(rows)::value, decltype(spread)::value>(args...);
-               },
-               [](auto&&... args) { finish_panel_avx2(args...); });
-#ifdef MINISERVE_AMX
-  } else if (amx_rows && M >= amx_rows) {
-    run_panels_amx(bits(x), bits(wp), has_bias ? bits(*bias) : nullptr, bits(y), M, N, K, row_block, stream);
+  run_product(x, wp, N, K, row_block, k_block, prefetch_one, prefetch, prefetch_l2, amx_rows, prefetch_one_l2,
+              stream_rows, [&](auto isa, auto* type, const float* part, int64_t r0, int64_t rows, int64_t p) {
+                using T = std::remove_pointer_t<decltype(type)>;
+                const T* b = has_bias ? elems<T>(*bias) : nullptr;
+                if constexpr (std::is_same_v<decltype(isa), Avx2>) {
+                  finish_panel_avx2(part, rows, b, elems<T>(y) + r0 * N, p, N);
+                } else {
+                  finish_panel<T>(part, rows, b, elems<T>(y) + r0 * N, p, N);
+                }
+              });
 #endif
-  } else {
-    run_panels<kBlockRows, kStreamRowsMax>(static_cast<const uint16_t*>(bits(x)),
-               static_cast<const uint16_t*>(bits(wp)), has_bias ? static_cast<const uint16_t*>(bits(*bias)) : nullptr,
-               bits(y), M, N, K, (K + 1) / 2, (k_block + 1) / 2, row_block, stream_rows, stream,
-               [](auto rows, auto spread, auto&&... args) {
-                 panel_bf16<decltype(rows)::value, decltype(spread)::value>(args...);
-               },
-               [](auto&&... args) { finish_panel<uint16_t>(args...); });
-  }
+  return y;
+}
+
+// silu(x · gate) · (x · up) from one product over panels of gate and up interleaved 16 outputs at
+// a time (engine.kernels.interleave_gate_up; inter, the MLP's width, a multiple of 16): each panel's
+// sums become their 16 outputs where they were summed, so the gate/up outputs never go to memory
+// and back, and the activation takes no call of its own. The same bits as gemv then silu_mul
+// (finish_silu). The tuning's arguments are gemv's.
+at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& wp, int64_t inter, int64_t K, int64_t row_block,
+                        int64_t k_block, int64_t prefetch_one, int64_t prefetch, bool prefetch_l2, int64_t amx_rows,
+                        bool prefetch_one_l2, int64_t stream_rows) {
+  const char* op = "miniserve::gate_up_silu: ";
+  TORCH_CHECK(inter >= 16 && inter % 16 == 0, op, "inter must be a positive multiple of 16, got ", inter);
+  check_product(op, x, wp, 2 * inter, K, row_block, k_block, prefetch_one, prefetch, amx_rows, stream_rows);
+  at::Tensor y = at::empty({x.size(0), inter}, x.options());
+#ifdef MINISERVE_X86
+  run_product(x, wp, 2 * inter, K, row_block, k_block, prefetch_one, prefetch, prefetch_l2, amx_rows, prefetch_one_l2,
+              stream_rows, [&](auto isa, auto* type, const float* part, int64_t r0, int64_t rows, int64_t p) {
+                using T = std::remove_pointer_t<decltype(type)>;
+                if constexpr (std::is_same_v<decltype(isa), Avx2>) {
+                  finish_silu_avx2(part, rows, elems<T>(y) + r0 * inter, p, inter);
+                } else {
+                  finish_silu<T>(part, rows, elems<T>(y) + r0 * inter, p, inter);
+                }
+              });
 #endif
   return y;
 }
@@ -681,9 +775,15 @@ TORCH_LIBRARY(miniserve, m) {
   m.def("gemv(Tensor x, Tensor panels, Tensor? bias, int N, int K, int row_block=64, int k_block=256, "
         "int prefetch_one=0, int prefetch=16384, bool prefetch_l2=False, int amx_rows=0, "
         "bool prefetch_one_l2=False, int stream_rows=8) -> Tensor");
+  m.def("gate_up_silu(Tensor x, Tensor panels, int inter, int K, int row_block=64, int k_block=256, "
+        "int prefetch_one=0, int prefetch=16384, bool prefetch_l2=False, int amx_rows=0, "
+        "bool prefetch_one_l2=False, int stream_rows=8) -> Tensor");
   m.def("gemv_supported(ScalarType dtype) -> bool", &gemv_supported);
   m.def("gemv_amx_supported() -> bool", &gemv_amx_supported);
   m.def("allow_cpu_features(bool avx2, bool avx512, bool avx512_bf16, bool amx_bf16=False) -> ()", &allow_cpu_features);
 }
 
-TORCH_LIBRARY_IMPL(miniserve, CPU, m) { m.impl("gemv", &miniserve_ops::gemv); }
+TORCH_LIBRARY_IMPL(miniserve, CPU, m) {
+  m.impl("gemv", &miniserve_ops::gemv);
+  m.impl("gate_up_silu", &miniserve_ops::gate_up_silu);
+}

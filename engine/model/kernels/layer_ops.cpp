@@ -81,13 +81,6 @@ MINISERVE_TARGET inline void rms_norm_head(const T* x, const T* w, T* y, int64_t
 }
 
 template <typename T>
-MINISERVE_TARGET inline __m512 silu_times(T* out, __m512 x, __m512 up) {
-  const __m512 silu = round_to(out, _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(
-                                                          _mm512_setzero_ps(), x)))));
-  return _mm512_mul_ps(silu, up);
-}
-
-template <typename T>
 MINISERVE_TARGET void silu_mul_rows(const T* gu, T* out, int64_t r0, int64_t r1, int64_t inter) {
   // four vectors per step: each is one long chain of dependent operations (exp's polynomial, the
   // division, two roundings), and side by side in the program the out-of-order core overlaps them
@@ -193,11 +186,6 @@ MINISERVE_TARGET_AVX2 inline void rms_norm_head_avx2(const float* x, const float
     const int64_t m = D - i;
     store8(y + i, _mm256_mul_ps(load8(w + i, m), _mm256_mul_ps(load8(x + i, m), _mm256_set1_ps(inv))), m);
   }
-}
-
-MINISERVE_TARGET_AVX2 inline __m256 silu_times8(__m256 x, __m256 up) {
-  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
-  return _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), up);
 }
 
 MINISERVE_TARGET_AVX2 void silu_mul_rows_avx2(const float* gu, float* out, int64_t r0, int64_t r1, int64_t inter) {

@@ -15,6 +15,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
                 int64_t K, int64_t row_block, int64_t k_block, int64_t prefetch_one, int64_t prefetch,
                 bool prefetch_l2, int64_t amx_rows, bool prefetch_one_l2, int64_t stream_rows);
 
+at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& wp, int64_t inter, int64_t K, int64_t row_block,
+                        int64_t k_block, int64_t prefetch_one, int64_t prefetch, bool prefetch_l2, int64_t amx_rows,
+                        bool prefetch_one_l2, int64_t stream_rows);
+
 at::Tensor add_rms_norm(const at::Tensor& h, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
                         double eps);
 

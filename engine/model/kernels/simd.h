@@ -159,6 +159,21 @@ MINISERVE_TARGET_AVX2 inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(_mm256_mul_ps(p, pow1), pow2);
 }
 
+// silu(x) · up as torch computes silu(gate) * up in T: silu rounded to T before the product (the
+// caller's store rounds the product); layer_ops' silu_mul and the gemv's gate_up_silu both use it
+template <typename T>
+MINISERVE_TARGET inline __m512 silu_times(T* out, __m512 x, __m512 up) {
+  const __m512 silu = round_to(out, _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(
+                                                          _mm512_setzero_ps(), x)))));
+  return _mm512_mul_ps(silu, up);
+}
+
+// silu_times in 8 lanes (fp32)
+MINISERVE_TARGET_AVX2 inline __m256 silu_times8(__m256 x, __m256 up) {
+  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+  return _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), up);
+}
+
 }  // namespace miniserve_simd
 
 #endif
