@@ -17,9 +17,10 @@ this process's own decode weights beside a fresh buffer's of their dtype: a proc
 landed in slower memory decodes slower for its whole life, which the probes do not see
 (docs/architecture.md).
 
-Then one profiled pass per shape splits the call: linears (oneDNN or miniserve's gemv), attention
-(miniserve's decode attention, SDPA) and the rest (norms, rotary, activations, KV writes,
-sampling, Python between them), with the rate the linears reached. That split says which kernel keeps a shape off its roofline.
+Then one profiled pass per shape splits the call: linears (oneDNN or miniserve's gemv, the gate/up
+product with its activation, gate_up_silu, among them), attention (miniserve's decode attention,
+SDPA) and the rest (norms, rotary, activations where not in the product, KV writes, sampling,
+Python between them), with the rate the linears reached. That split says which kernel keeps a shape off its roofline.
 
     flock /tmp/miniserve-bench.lock python benchmarks/roofline_calls.py [--dtypes float32,bfloat16] [--pairs 15]
 """
@@ -53,7 +54,7 @@ SHAPES = {  # name: (prior context per request, tokens per request)
     "prefill 512": ([0], [512]),
 }
 ISSUE_MACHINE = {"float32": Machine(21e9, 210e9), "bfloat16": Machine(21e9, 750e9)}  # issue #7's figures
-LINEAR_OPS = ("mkldnn::_linear_pointwise", "miniserve::gemv", "aten::addmm", "aten::mm")
+LINEAR_OPS = ("mkldnn::_linear_pointwise", "miniserve::gemv", "miniserve::gate_up_silu", "aten::addmm", "aten::mm")
 ATTENTION_OPS = ("miniserve::decode_attention",)  # and SDPA's ops, by name
 CUDA_ATTENTION_OPS = ("aten::scaled_dot_product_attention",)  # and flash-attn's, where installed
 
