@@ -4,7 +4,8 @@
    multiplied by 1-96 rows: ms per pass and GB/s of weights read, oneDNN then the kernel,
    alternating pass by pass so both see the same memory load.
 2. Whole model calls through ModelRunner with every product on oneDNN and on the kernel, alternating call by
-   call: decode B=1, 2, 4, 8, 16, 32 at context 256 and 64- and 128-token prefills.
+   call: decode B=1, 2, 4, 8, 16, 32 at context 256 and 64- and 128-token prefills (the kernel's arm
+   makes SiLU·up inside its gate/up product, gate_up_silu; oneDNN's makes it after, silu_mul).
 3. The same calls at B=1, 8 with the panels in the engine's huge-page buffer and in a copy on
    ordinary 4 KiB pages, alternating (kernels.in_huge_pages). Prints medians and the
    median per-pair speedup, and how far the logits moved.

@@ -209,9 +209,10 @@ def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tiny_calibrat
     on = data["measured_on"]  # where it was measured, as a GPU profile would say it
     assert on["device"] == "cpu" and on["device_name"] == on["cpu"] and on["torch"] == torch.__version__
     assert on["cpu_features"] == sorted(cpu_features())
-    assert set(on["kernels"]) == {"gemv", "decode_attention", "prefill_attention", "layer_ops", "argmax",
-                                  "decoder_layers"}
-    op = {"prefill_attention": "decode_attention"}  # one attention kernel, recorded per phase of a step
+    assert set(on["kernels"]) == {"gemv", "gate_up_silu", "decode_attention", "prefill_attention", "layer_ops",
+                                  "argmax", "decoder_layers"}
+    # one attention kernel, recorded per phase of a step; SiLU·up in the gate/up product where the gemv runs
+    op = {"prefill_attention": "decode_attention", "gate_up_silu": "gemv"}
     runs = {k: kernels.enabled() and kernels.can_run(op.get(k, k), torch.float32) for k in on["kernels"]
             if k != "decoder_layers"}
     # the fused ops run wherever they can; the gemv and the attention kernel where the dispatch
@@ -219,6 +220,7 @@ def test_quick_calibration_of_the_tiny_model_through_the_hydra_app(tiny_calibrat
     # the gemv, the layer ops and the attention kernel all run
     assert all(on["kernels"][k] == runs[k] for k in ("layer_ops", "argmax"))
     assert all(runs[k] or not on["kernels"][k] for k in ("gemv", "decode_attention", "prefill_attention"))
+    assert on["kernels"]["gate_up_silu"] == on["kernels"]["gemv"]  # tiny's MLP width, 128, interleaves
     assert on["kernels"]["decoder_layers"] <= (on["kernels"]["gemv"] and on["kernels"]["layer_ops"]
                                                and (on["kernels"]["decode_attention"] or on["kernels"]["prefill_attention"]))
     # the quick grid with prompts at the edges of this machine's gemv passes (both blocks' without a gemv)

@@ -273,6 +273,24 @@ def test_gate_up_silu_gives_the_gemv_then_silu_mul_bits(dtype, rows, k, groups, 
     assert fused.shape == (rows, inter) and torch.equal(fused, expected)
 
 
+def _gate_up_both_ways(dtype, rows, k, inter, seed, tuning):
+    """(gate_up_silu over the interleaved panels, the gemv over the weight then silu_mul)"""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(2 * inter, k, generator=g).to(dtype)
+    fused = kernels.gate_up_silu(dtype)(x, kernels.pack_panels(kernels.interleave_gate_up(w, inter)), 64, 256, tuning)
+    return fused, kernels.layer_ops(dtype).silu_mul(kernels.gemv(dtype)(x, kernels.pack_panels(w), None, 64, 256,
+                                                                       tuning), inter)
+
+
+@needs("gemv", torch.float32)
+@pytest.mark.parametrize("rows", [1, 5, 8, 70])
+def test_gate_up_silu_in_the_avx2_form_gives_its_gemv_then_silu_mul_bits(rows):
+    """An AVX2-only CPU's form (8-lane finish, 3-row passes) against its own two ops."""
+    with allowing(*AVX2_ONLY):
+        fused, expected = _gate_up_both_ways(torch.float32, rows, 200, 48, rows, kernels.GemvTuning(stream_rows=6))
+    assert torch.equal(fused, expected)
+
+
 def test_interleaving_gate_and_up_alternates_groups_of_16_rows():
     w = torch.arange(64.0)[:, None].expand(64, 3)  # gate rows 0-31, up rows 32-63
     order = kernels.interleave_gate_up(w, 32)[:, 0].long().tolist()
@@ -359,6 +377,13 @@ def test_the_gemv_on_amx_tiles_equals_the_exact_product_up_to_rounding(rows, k, 
     ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
     scale = x.double().abs() @ w.double().abs().T + (b.double().abs() if b is not None else 0)
     assert y.shape == (rows, n) and ((y.double() - ref).abs() <= 1e-5 * scale + 2 ** -8 * ref.abs()).all()
+
+
+@NEEDS_AMX
+@pytest.mark.parametrize("rows", [1, 16, 40, 130])
+def test_gate_up_silu_on_amx_tiles_gives_their_gemv_then_silu_mul_bits(rows):
+    fused, expected = _gate_up_both_ways(torch.bfloat16, rows, 300, 64, rows, kernels.GemvTuning(amx_rows=1))
+    assert torch.equal(fused, expected)
 
 
 @needs("gemv", torch.float32)

@@ -10,10 +10,12 @@ layer makes three calls (``engine.model.kernels.LayerOps``): residual add + RMSN
 SiLU·up. Where this CPU runs miniserve's kernels they are fused C++ passes (layer_ops.cpp);
 elsewhere the stock modules' ops, op for op. Either way they round where stock rounds, so fp32
 logits match stock transformers (tests compare them at 1e-5) and bf16 rounds where stock rounds.
-Where a step's products all run on the gemv and all its tokens attend on the attention kernel (and
-the layers run the fused layer ops and share one shape), the whole loop is one C++ call
-(``DecoderLayers``, decoder_layers.cpp): the same kernels in the same order, so the same bits,
-without ~9 trips from Python a layer.
+Where the gemv runs the gate/up product, SiLU·up is made inside it instead (``kernels.gate_up_silu``
+over panels that interleave gate and up; in C++ whichever layer ops the loop runs), so such a layer
+makes two calls between its products. Where a step's products all run on the gemv and all its tokens
+attend on the attention kernel (and the layers run the fused layer ops and share one shape), the
+whole loop is one C++ call (``DecoderLayers``, decoder_layers.cpp): the same kernels in the same
+order, so the same bits, without ~8 trips from Python a layer.
 
 Each projection runs the candidate ``engine.model.kernels.dispatch`` measured fastest on this
 machine for its row count: miniserve's gemv over a panel-packed copy of the weight, oneDNN's
@@ -220,6 +222,8 @@ class LeanQwen2:
             return x.new_empty(0, p.n)
         choice = self._by_rows[rows] if rows < len(self._by_rows) else self.choices[-1]
         if choice == "gemv":
+            if p.gate_up_inter:  # its panels interleave gate and up: a plain product's columns would be permuted
+                raise ValueError("interleaved gate/up panels are read by _gate_up_silu, not _project")
             return self.gemv(x.contiguous(), p.panels, p.bias, p.row_block, p.k_block, self.gemv_tuning)
         if choice == "onednn":
             return dispatch.onednn_linear(x, p.packed, p.bias)
@@ -244,6 +248,8 @@ class LeanQwen2:
             return None
 
         def project(x: torch.Tensor, p: Projection) -> torch.Tensor:
+            if p.gate_up_inter:  # as _project
+                raise ValueError("interleaved gate/up panels are read by _gate_up_silu, not the projector")
             if x.shape[0] == 0:
                 return x.new_empty(0, p.n)
             return gemv(x.contiguous(), p.panels, p.bias, p.row_block, p.k_block, tuning)

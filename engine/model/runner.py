@@ -134,6 +134,7 @@ class ModelRunner:
                 "decode_attention": self.attention_kernel is not None and "decode" in self.kernel_phases,
                 "prefill_attention": self.attention_kernel is not None and "prefill" in self.kernel_phases,
                 "layer_ops": lean is not None and lean.ops is not kernels.TORCH_LAYER_OPS,
+                "gate_up_silu": lean is not None and lean.gate_up is not None,  # SiLU·up in the gemv's product
                 "decoder_layers": lean is not None and lean.stack is not None,  # the layers in one call
                 "argmax": self.greedy is not _torch_greedy}
 

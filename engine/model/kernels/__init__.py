@@ -4,6 +4,9 @@
   decode-sized linears (it reads the weights at memory speed); ``pack_panels`` lays a weight out for it,
   ``panel_rows`` reads rows of it back (a tied embedding); ``gemv_amx(dtype)`` says whether it can
   run on AMX tiles here (bf16).
+- ``gate_up_silu(dtype)`` (gemv.cpp): the MLP's gate/up product with silu(gate) · up made in it, over
+  the panels of ``interleave_gate_up``'s weight (16 gate and 16 up outputs a panel): the same bits as
+  the gemv then the layer ops' silu_mul.
 - ``decode_attention(dtype, head_dim)`` (decode_attention.cpp): rows of one query each against
   keys 0..len-1 of their own KV slot, in one call: a step's decodes and every token of its prefill
   chunks alike.

@@ -714,14 +714,16 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
   }
   at::Tensor y = at::empty({x.size(0), N}, x.options());
 #ifdef MINISERVE_X86
+  void* const out = y.data_ptr();
+  const void* const b = has_bias ? bias->data_ptr() : nullptr;
   run_product(x, wp, N, K, row_block, k_block, prefetch_one, prefetch, prefetch_l2, amx_rows, prefetch_one_l2,
               stream_rows, [&](auto isa, auto* type, const float* part, int64_t r0, int64_t rows, int64_t p) {
                 using T = std::remove_pointer_t<decltype(type)>;
-                const T* b = has_bias ? elems<T>(*bias) : nullptr;
+                T* yp = static_cast<T*>(out) + r0 * N;
                 if constexpr (std::is_same_v<decltype(isa), Avx2>) {
-                  finish_panel_avx2(part, rows, b, elems<T>(y) + r0 * N, p, N);
+                  finish_panel_avx2(part, rows, static_cast<const T*>(b), yp, p, N);
                 } else {
-                  finish_panel<T>(part, rows, b, elems<T>(y) + r0 * N, p, N);
+                  finish_panel<T>(part, rows, static_cast<const T*>(b), yp, p, N);
                 }
               });
 #endif
@@ -741,13 +743,15 @@ at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& wp, int64_t inter
   check_product(op, x, wp, 2 * inter, K, row_block, k_block, prefetch_one, prefetch, amx_rows, stream_rows);
   at::Tensor y = at::empty({x.size(0), inter}, x.options());
 #ifdef MINISERVE_X86
+  void* const out = y.data_ptr();
   run_product(x, wp, 2 * inter, K, row_block, k_block, prefetch_one, prefetch, prefetch_l2, amx_rows, prefetch_one_l2,
               stream_rows, [&](auto isa, auto* type, const float* part, int64_t r0, int64_t rows, int64_t p) {
                 using T = std::remove_pointer_t<decltype(type)>;
+                T* yp = static_cast<T*>(out) + r0 * inter;
                 if constexpr (std::is_same_v<decltype(isa), Avx2>) {
-                  finish_silu_avx2(part, rows, elems<T>(y) + r0 * inter, p, inter);
+                  finish_silu_avx2(part, rows, yp, p, inter);
                 } else {
-                  finish_silu<T>(part, rows, elems<T>(y) + r0 * inter, p, inter);
+                  finish_silu<T>(part, rows, yp, p, inter);
                 }
               });
 #endif
