@@ -8,7 +8,8 @@ a machine can do that is measured here, not assumed: the ridge loop (benchmarks/
 streams the model's packed weights once, each thread a contiguous share, and multiplies every
 weight vector into R rows' accumulators with the multiplier in a register, the arithmetic of an
 R-row product and nothing else. Beside it, in alternation, the engine's gemv passes over the same
-panels at R rows (random x), and the two probes. One thread and all threads: one core's own
+panels at R rows (random x; the gate/up products make their SiLU·up, as the engine's do), and the
+two probes. One thread and all threads: one core's own
 stream is a ridge in any memory spell (it reads at most its share of the machine's bandwidth), so
 the one-thread row shows the kernel against the limit even when two threads are memory-bound.
 
@@ -88,9 +89,12 @@ def main() -> None:
                 xs = {p.panels.k: torch.randn(rows, p.panels.k, generator=g).to(dtype) for p in lean.projections}
                 flops = sum(2 * rows * p.n * p.panels.k for p in lean.projections)
 
-                def gemv_pass() -> None:
+                def gemv_pass() -> None:  # each product as the engine runs it (gate/up with its SiLU·up)
                     for p in lean.projections:
-                        lean._projector(xs[p.panels.k], p)
+                        if p.gate_up_inter:
+                            lean._gate_up_silu(xs[p.panels.k], p, p.gate_up_inter)
+                        else:
+                            lean._projector(xs[p.panels.k], p)
 
                 fns = {"ridge": lambda: probe_mod.stream_fma(panels, rows, wide), "gemv": gemv_pass}
                 for fn in fns.values():
