@@ -604,9 +604,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_store, cons
     attend_any(q.data_ptr<float>(), k_store.data_ptr<float>(), v_store.data_ptr<float>(), sp, lp,
                out.data_ptr<float>(), rows, heads, kv_heads, max_len, D, s);
   } else {
-    auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); };
-    attend_any<uint16_t>(bits(q), bits(k_store), bits(v_store), sp, lp, bits(out), rows, heads, kv_heads, max_len,
-                         D, s);
+    attend_any<uint16_t>(ptr<uint16_t>(q), ptr<uint16_t>(k_store), ptr<uint16_t>(v_store), sp, lp, ptr<uint16_t>(out),
+                         rows, heads, kv_heads, max_len, D, s);
   }
 #endif
   return out;

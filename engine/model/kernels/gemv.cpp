@@ -61,6 +61,8 @@
 
 namespace {
 
+using miniserve_ops::ptr;
+
 constexpr int64_t kPanel = 32;     // output columns per panel (engine/kernels/__init__.py PANEL)
 constexpr int64_t kBlockRows = 8;  // rows per register block: 2 accumulators per row, 16 of 32 registers
 constexpr int64_t kStreamRowsMax = 16;  // the most rows one sweep of the weights takes (GemvTuning.stream_rows)
@@ -603,15 +605,6 @@ bool gemv_amx_supported() {
 struct Avx512 {};
 struct Avx2 {};
 
-template <typename T>
-T* elems(const at::Tensor& t) {
-  if constexpr (std::is_same_v<T, float>) {
-    return t.data_ptr<float>();
-  } else {
-    return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>());
-  }
-}
-
 // The checks every product on panels makes (`op` names it in the errors): x (rows, K) against
 // panels holding N outputs of K inputs, and the tuning's ranges
 void check_product(const char* op, const at::Tensor& x, const at::Tensor& wp, int64_t N, int64_t K, int64_t row_block,
@@ -658,7 +651,7 @@ void run_product(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64_t K
     };
   };
   if (x.scalar_type() == at::kFloat && cpu_has_avx512()) {
-    run_panels<kBlockRows, kStreamRowsMax>(elems<float>(x), elems<float>(wp), M, N, K, K, k_block, row_block,
+    run_panels<kBlockRows, kStreamRowsMax>(ptr<float>(x), ptr<float>(wp), M, N, K, K, k_block, row_block,
                stream_rows, stream,
                [](auto rows, auto spread, auto&&... args) {
                  panel_f32<decltype(rows)::value, decltype(spread)::value>(args...);
@@ -670,7 +663,7 @@ void run_product(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64_t K
     // set-up for a third of a sub-block's work. The next block each pass asks for shrinks with it
     // (docs/architecture.md has the figures)
     const int64_t avx2_block = std::max(kSubSteps, k_block / kSubSteps * kSubSteps);
-    run_panels<kPassRowsAvx2, kSweepRowsAvx2>(elems<float>(x), elems<float>(wp), M, N, K, K, avx2_block, row_block,
+    run_panels<kPassRowsAvx2, kSweepRowsAvx2>(ptr<float>(x), ptr<float>(wp), M, N, K, K, avx2_block, row_block,
                stream_rows, stream,
                [](auto rows, auto spread, auto&&... args) {
                  panel_f32_avx2<decltype(rows)::value, decltype(spread)::value>(args...);
@@ -678,12 +671,12 @@ void run_product(const at::Tensor& x, const at::Tensor& wp, int64_t N, int64_t K
                finish_as(Avx2{}, static_cast<float*>(nullptr)));
 #ifdef MINISERVE_AMX
   } else if (amx_rows && M >= amx_rows) {
-    run_panels_amx(elems<uint16_t>(x), elems<uint16_t>(wp), M, N, K, row_block, stream,
+    run_panels_amx(ptr<uint16_t>(x), ptr<uint16_t>(wp), M, N, K, row_block, stream,
                    finish_as(Avx512{}, static_cast<uint16_t*>(nullptr)));
 #endif
   } else {
-    run_panels<kBlockRows, kStreamRowsMax>(static_cast<const uint16_t*>(elems<uint16_t>(x)),
-               static_cast<const uint16_t*>(elems<uint16_t>(wp)), M, N, K, (K + 1) / 2, (k_block + 1) / 2, row_block,
+    run_panels<kBlockRows, kStreamRowsMax>(static_cast<const uint16_t*>(ptr<uint16_t>(x)),
+               static_cast<const uint16_t*>(ptr<uint16_t>(wp)), M, N, K, (K + 1) / 2, (k_block + 1) / 2, row_block,
                stream_rows, stream,
                [](auto rows, auto spread, auto&&... args) {
                  panel_bf16<decltype(rows)::value, decltype(spread)::value>(args...);
@@ -714,7 +707,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<a
   }
   at::Tensor y = at::empty({x.size(0), N}, x.options());
 #ifdef MINISERVE_X86
-  void* const out = y.data_ptr();
+  void* const out = y.data_ptr();  // once, not per panel
   const void* const b = has_bias ? bias->data_ptr() : nullptr;
   run_product(x, wp, N, K, row_block, k_block, prefetch_one, prefetch, prefetch_l2, amx_rows, prefetch_one_l2,
               stream_rows, [&](auto isa, auto* type, const float* part, int64_t r0, int64_t rows, int64_t p) {
@@ -743,7 +736,7 @@ at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& wp, int64_t inter
   check_product(op, x, wp, 2 * inter, K, row_block, k_block, prefetch_one, prefetch, amx_rows, stream_rows);
   at::Tensor y = at::empty({x.size(0), inter}, x.options());
 #ifdef MINISERVE_X86
-  void* const out = y.data_ptr();
+  void* const out = y.data_ptr();  // once, not per panel
   run_product(x, wp, 2 * inter, K, row_block, k_block, prefetch_one, prefetch, prefetch_l2, amx_rows, prefetch_one_l2,
               stream_rows, [&](auto isa, auto* type, const float* part, int64_t r0, int64_t rows, int64_t p) {
                 using T = std::remove_pointer_t<decltype(type)>;

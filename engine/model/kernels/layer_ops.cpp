@@ -250,11 +250,6 @@ MINISERVE_TARGET_AVX2 void rotary_kv_tokens_avx2(const float* qkv, const float* 
   }
 }
 
-template <typename T>
-T* ptr(const at::Tensor& t) {
-  return reinterpret_cast<T*>(t.data_ptr());
-}
-
 // runs fn(T*-typed pointers' type) for fp32 or bf16
 template <typename Fn>
 void by_dtype(at::ScalarType dtype, Fn&& fn) {

@@ -11,6 +11,12 @@
 
 namespace miniserve_ops {
 
+// t's data as T*, T the element type as the kernels see it (float; uint16_t for bf16's bits)
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias, int64_t N,
                 int64_t K, int64_t row_block, int64_t k_block, int64_t prefetch_one, int64_t prefetch,
                 bool prefetch_l2, int64_t amx_rows, bool prefetch_one_l2, int64_t stream_rows);
