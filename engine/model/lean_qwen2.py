@@ -163,12 +163,10 @@ class LeanQwen2:
         if len(shapes) != 1:
             return None
         # every layer's the same as the last one's (projections, nq, nkv, inter)
-        t = self.gemv_tuning
         return make([w.detach() for w in weights], [None if w is None else w.detach() for w in optionals], scalars,
                      [nq // d, nkv // d, d, inter],
                      [p.row_block for p in projections] + [p.k_block for p in projections],
-                     [t.prefetch_one, t.prefetch, int(t.prefetch_l2), t.amx_rows, int(t.prefetch_one_l2),
-                      t.stream_rows])
+                     [int(a) for a in self.gemv_tuning.op_args()])
 
     def _pack(self, specs: list, dtype: torch.dtype, keep: torch.Tensor | None) -> list[Projection]:
         """Each projection in the copies its kernels read, made one weight at a time (panels
@@ -215,12 +213,16 @@ class LeanQwen2:
         return (model.device.type == "cpu" and cfg.model_type in MODEL_TYPES
                 and cfg.hidden_act == "silu" and set(layer_types) == {"full_attention"})
 
+    def _choice(self, rows: int) -> str:
+        """The candidate measured fastest at this row count (the last class's past the table)."""
+        return self._by_rows[rows] if rows < len(self._by_rows) else self.choices[-1]
+
     def _project(self, x: torch.Tensor, p: Projection) -> torch.Tensor:
         """x (rows, in) times one projection, by the candidate measured fastest at this row count."""
         rows = x.shape[0]
         if rows == 0:
             return x.new_empty(0, p.n)
-        choice = self._by_rows[rows] if rows < len(self._by_rows) else self.choices[-1]
+        choice = self._choice(rows)
         if choice == "gemv":
             if p.gate_up_inter:  # its panels interleave gate and up: a plain product's columns would be permuted
                 raise ValueError("interleaved gate/up panels are read by _gate_up_silu, not _project")
@@ -233,8 +235,7 @@ class LeanQwen2:
         """silu(x · gateᵀ) · (x · upᵀ): one call where the gemv runs these rows on interleaved panels,
         else the product by the candidate chosen and then the activation."""
         rows = x.shape[0]
-        choice = self._by_rows[rows] if rows < len(self._by_rows) else self.choices[-1]
-        if p.gate_up_inter and choice == "gemv" and rows:
+        if p.gate_up_inter and self._choice(rows) == "gemv" and rows:
             return self.gate_up(x.contiguous(), p.panels, p.row_block, p.k_block, self.gemv_tuning)
         return self.ops.silu_mul(self._project(x, p), inter)
 
@@ -270,7 +271,7 @@ class LeanQwen2:
         # attend differently goes through ragged_attention
         kernel = batch.kernel if batch.kernel_attends_all else None
         slots, positions, kernel_slots, lens = batch.write_slots, batch.write_positions, batch.kernel_slots, batch.kernel_lens
-        rows_choice = self._by_rows[t] if t < len(self._by_rows) else self.choices[-1]
+        rows_choice = self._choice(t)
         if self.stack is not None and kernel is self._attention and rows_choice == "gemv" and ops is self._stack_ops:
             # every layer in one C++ call: the same kernels in the same order as the loop below
             delta = self.stack.run(h, cos, sin, cache.keys, cache.values, slots, positions, kernel_slots, lens)

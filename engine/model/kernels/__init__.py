@@ -106,6 +106,11 @@ class GemvTuning:
     prefetch_one_l2: bool = False  # the one-row distance's level
     stream_rows: int = 8  # AVX-512 8-16, AVX2 3-6 (each loop clamps it to its range)
 
+    def op_args(self) -> tuple[int, int, bool, int, bool, int]:
+        """The fields in the order the gemv.cpp ops take them (after row_block and k_block)."""
+        return (self.prefetch_one, self.prefetch, self.prefetch_l2, self.amx_rows, self.prefetch_one_l2,
+                self.stream_rows)
+
 
 @dataclass(frozen=True)
 class Panels:
@@ -303,9 +308,7 @@ def gemv(dtype: torch.dtype):
 
     def run(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None, row_block: int = 64,
             k_block: int = 256, tuning: GemvTuning = GemvTuning()) -> torch.Tensor:
-        return op(x, panels.data, bias, panels.n, panels.k, row_block, k_block, tuning.prefetch_one,
-                  tuning.prefetch, tuning.prefetch_l2, tuning.amx_rows, tuning.prefetch_one_l2,
-                  tuning.stream_rows)
+        return op(x, panels.data, bias, panels.n, panels.k, row_block, k_block, *tuning.op_args())
 
     return run
 
@@ -322,9 +325,7 @@ def gate_up_silu(dtype: torch.dtype):
 
     def run(x: torch.Tensor, panels: Panels, row_block: int = 64, k_block: int = 256,
             tuning: GemvTuning = GemvTuning()) -> torch.Tensor:
-        return op(x, panels.data, panels.n // 2, panels.k, row_block, k_block, tuning.prefetch_one,
-                  tuning.prefetch, tuning.prefetch_l2, tuning.amx_rows, tuning.prefetch_one_l2,
-                  tuning.stream_rows)
+        return op(x, panels.data, panels.n // 2, panels.k, row_block, k_block, *tuning.op_args())
 
     return run
 
