@@ -263,23 +263,19 @@ def test_gate_up_silu_gives_the_gemv_then_silu_mul_bits(dtype, rows, k, groups, 
     equals the product over the weight as it is followed by the fused silu_mul, bit for bit: every
     sweep, block and row chunk of the gemv ends in the same finish."""
     inter = 16 * groups
-    g = torch.Generator().manual_seed(seed)
-    x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(2 * inter, k, generator=g).to(dtype)
-    tuning = kernels.GemvTuning(stream_rows=stream_rows)
-    expected = kernels.layer_ops(dtype).silu_mul(kernels.gemv(dtype)(x, kernels.pack_panels(w), None, block, k_block,
-                                                                     tuning), inter)
-    fused = kernels.gate_up_silu(dtype)(x, kernels.pack_panels(kernels.interleave_gate_up(w, inter)), block, k_block,
-                                        tuning)
+    fused, expected = _gate_up_both_ways(dtype, rows, k, inter, seed, kernels.GemvTuning(stream_rows=stream_rows),
+                                         block, k_block)
     assert fused.shape == (rows, inter) and torch.equal(fused, expected)
 
 
-def _gate_up_both_ways(dtype, rows, k, inter, seed, tuning):
+def _gate_up_both_ways(dtype, rows, k, inter, seed, tuning, block=64, k_block=256):
     """(gate_up_silu over the interleaved panels, the gemv over the weight then silu_mul)"""
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(2 * inter, k, generator=g).to(dtype)
-    fused = kernels.gate_up_silu(dtype)(x, kernels.pack_panels(kernels.interleave_gate_up(w, inter)), 64, 256, tuning)
-    return fused, kernels.layer_ops(dtype).silu_mul(kernels.gemv(dtype)(x, kernels.pack_panels(w), None, 64, 256,
-                                                                       tuning), inter)
+    fused = kernels.gate_up_silu(dtype)(x, kernels.pack_panels(kernels.interleave_gate_up(w, inter)), block, k_block,
+                                        tuning)
+    return fused, kernels.layer_ops(dtype).silu_mul(kernels.gemv(dtype)(x, kernels.pack_panels(w), None, block,
+                                                                       k_block, tuning), inter)
 
 
 @needs("gemv", torch.float32)
