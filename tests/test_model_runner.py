@@ -259,6 +259,35 @@ def test_qwen3_head_dim_without_a_decode_kernel_stays_exact(tmp_path):
     run_and_compare(runner, sdpa_twin(model_config), config, mixed_requests(256), atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_lean_forward_reads_rotary_rows_the_module_would_make(dtype):
+    """cos/sin come from a table made once over the KV cache's positions: the same bits as the
+    rotary module at any positions; a dynamic rope type keeps calling the module (its frequencies
+    follow the longest sequence seen)."""
+    runner = ModelRunner(ModelConfig(name="tiny", dtype=dtype), SchedulerConfig(max_num_seqs=2, max_model_len=64))
+    lean = runner._lean
+    h = torch.zeros(1, dtype=runner.model.dtype)
+    positions = torch.tensor([0, 63, 5, 5, 17])
+    cos, sin = lean._cos_sin(h, positions, 64)
+    ref_cos, ref_sin = lean.rotary(h, positions[None])
+    assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
+    assert lean._rope_table[0].shape[0] == 64
+
+    calls, module = [], lean.rotary
+
+    class Dynamic:
+        rope_type = "dynamic"
+
+        def __call__(self, x, pos):
+            calls.append(pos.shape[-1])
+            return module(x, pos)
+
+    lean.rotary, lean._rope_table = Dynamic(), None
+    cos, sin = lean._cos_sin(h, positions, 64)
+    assert calls == [5] and lean._rope_table is None
+    assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
+
+
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_model(ModelConfig(name="local", path=str(tmp_path)))
