@@ -63,13 +63,28 @@ def test_each_linear_weight_lives_in_one_layout(force, monkeypatch):
         assert released(embedding) and lean.embed_panels is lean.lm.panels
 
 
+# the kernel where it is built (else panel_rows is the torch form too) and the torch form, which
+# machines without the kernels run
+PANEL_READERS = [kernels.panel_rows, kernels.torch_panel_rows]
+
+
+@pytest.mark.parametrize("read", PANEL_READERS)
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 70), k=st.integers(1, 9), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
-def test_panel_rows_read_back_the_packed_weight(n, k, dtype):
+@given(n=st.integers(1, 70), k=st.integers(1, 9), rows=st.integers(0, 11),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_panel_rows_read_back_the_packed_weight(read, n, k, rows, dtype):
     w = torch.randn(n, k).to(dtype)
-    ids = torch.randint(0, n, (11,))
-    got = kernels.panel_rows(kernels.pack_panels(w), ids)
-    assert got.is_contiguous() and torch.equal(got, F.embedding(ids, w))
+    ids = torch.randint(0, n, (rows,))
+    got = read(kernels.pack_panels(w), ids)
+    assert got.is_contiguous() and got.shape == (rows, k) and torch.equal(got, F.embedding(ids, w))
+
+
+@pytest.mark.parametrize("read", PANEL_READERS)
+@pytest.mark.parametrize("bad", [70, 95, -1])  # past n in the last panel's padding, past the panels, negative
+def test_panel_rows_refuse_an_id_outside_the_weight(read, bad):
+    panels = kernels.pack_panels(torch.randn(70, 5).to(torch.bfloat16))
+    with pytest.raises((IndexError, RuntimeError), match="outside"):
+        read(panels, torch.tensor([3, bad]))
 
 
 def test_the_stock_forward_on_cpu_reads_only_oneDNN_copies(tmp_path):

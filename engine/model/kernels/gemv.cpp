@@ -751,6 +751,50 @@ at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& wp, int64_t inter
   return y;
 }
 
+// rows (ids) of the (N, K) weight that `panels` hold, read back out of them: a tied embedding's
+// lookup from its lm_head's panels. A row's values lie one k step (fp32) or one k pair (bf16)
+// apart, 4 bytes of each 128 (kStepBytes), so a row is K or ceil(K / 2) 4-byte reads one cache
+// line each, lines the last step's lm_head product swept out of the caches. Rows are read side by
+// side, each asking for its line kAhead steps on: up to (rows x kAhead) misses in flight, where
+// torch's indexing of the same elements took them about one at a time (0.13 ms in a 2-thread bf16
+// decode at 8 rows, docs/architecture.md).
+at::Tensor panel_rows(const at::Tensor& wp, const at::Tensor& ids, int64_t N, int64_t K) {
+  const char* op = "miniserve::panel_rows: ";
+  TORCH_CHECK(wp.scalar_type() == at::kFloat || wp.scalar_type() == at::kBFloat16, op, "panels are fp32 or bf16, got ",
+              wp.scalar_type());
+  const bool bf16 = wp.scalar_type() == at::kBFloat16;
+  const int64_t panels = (N + kPanel - 1) / kPanel, steps = bf16 ? (K + 1) / 2 : K;
+  const std::vector<int64_t> shape = bf16 ? std::vector<int64_t>{panels, steps, kPanel, 2}
+                                          : std::vector<int64_t>{panels, steps, kPanel};
+  TORCH_CHECK(N >= 1 && K >= 1 && wp.is_contiguous() && wp.sizes() == at::IntArrayRef(shape), op, "panels of shape ",
+              wp.sizes(), " do not hold ", N, " rows of ", K, " (pack them with engine.kernels.pack_panels)");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, op, "ids must be a 1-D int64 tensor");
+  const at::Tensor idx = ids.contiguous();
+  const int64_t n = idx.size(0);
+  const int64_t* id = idx.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < N, op, "id ", id[i], " is outside [0, ", N, ")");
+  }
+  at::Tensor out = at::empty({n, K}, wp.options());
+  const int64_t row_bytes = K * wp.element_size(), whole = row_bytes / 4;  // an odd bf16 K ends on 2 bytes
+  const char* const base = static_cast<const char*>(wp.const_data_ptr());
+  char* const dst = static_cast<char*>(out.data_ptr());
+  constexpr int64_t kAhead = 32;
+  auto src = [&](int64_t i, int64_t s) {  // id i's 4 bytes at k step s
+    return base + ((id[i] / kPanel) * steps * kPanel + id[i] % kPanel) * 4 + s * kStepBytes;
+  };
+  for (int64_t s = 0; s < whole; ++s) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (s + kAhead < whole) __builtin_prefetch(src(i, s + kAhead));
+      std::memcpy(dst + i * row_bytes + s * 4, src(i, s), 4);
+    }
+  }
+  if (whole * 4 < row_bytes) {
+    for (int64_t i = 0; i < n; ++i) std::memcpy(dst + i * row_bytes + whole * 4, src(i, whole), 2);
+  }
+  return out;
+}
+
 }  // namespace miniserve_ops
 
 namespace {
@@ -775,6 +819,7 @@ TORCH_LIBRARY(miniserve, m) {
   m.def("gate_up_silu(Tensor x, Tensor panels, int inter, int K, int row_block=64, int k_block=256, "
         "int prefetch_one=0, int prefetch=16384, bool prefetch_l2=False, int amx_rows=0, "
         "bool prefetch_one_l2=False, int stream_rows=8) -> Tensor");
+  m.def("panel_rows(Tensor panels, Tensor ids, int N, int K) -> Tensor");
   m.def("gemv_supported(ScalarType dtype) -> bool", &gemv_supported);
   m.def("gemv_amx_supported() -> bool", &gemv_amx_supported);
   m.def("allow_cpu_features(bool avx2, bool avx512, bool avx512_bf16, bool amx_bf16=False) -> ()", &allow_cpu_features);
@@ -783,4 +828,5 @@ TORCH_LIBRARY(miniserve, m) {
 TORCH_LIBRARY_IMPL(miniserve, CPU, m) {
   m.impl("gemv", &miniserve_ops::gemv);
   m.impl("gate_up_silu", &miniserve_ops::gate_up_silu);
+  m.impl("panel_rows", &miniserve_ops::panel_rows);
 }
