@@ -191,6 +191,9 @@ def test_the_avx2_gemv_gives_the_avx512_ones_values(rows, k, n, bias, seed, k_bl
 @given(dtype=st.sampled_from([d for d, ok in EXPECTED.items() if ok] or [torch.float32]), rows=st.integers(1, 150),
        k=st.integers(1, 300), n=st.integers(1, 300), bias=st.booleans(), seed=st.integers(0, 2**16),
        block=st.sampled_from([8, 16, 64]), k_block=st.sampled_from([2, 6, 64, 170, 256, 384]))
+# 21 panels: several runs a thread (parallel_panels), in one sweep and in blocks of K
+@example(dtype=torch.float32, rows=8, k=300, n=650, bias=True, seed=3, block=8, k_block=64)
+@example(dtype=torch.float32, rows=20, k=300, n=650, bias=False, seed=4, block=64, k_block=64)
 def test_gemv_equals_the_exact_product_up_to_rounding(dtype, rows, k, n, bias, seed, block, k_block):
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
@@ -314,8 +317,11 @@ def test_gate_up_silu_bad_input_is_a_clear_error(make, message):
 @needs("gemv", torch.float32)
 @settings(max_examples=20, deadline=None)
 @given(dtype=st.sampled_from([d for d, ok in EXPECTED.items() if ok] or [torch.float32]), rows=st.integers(1, 40),
-       k=st.integers(1, 200), n=st.integers(1, 100), seed=st.integers(0, 2**16))
+       k=st.integers(1, 200), n=st.integers(1, 700), seed=st.integers(0, 2**16))
 @example(dtype=torch.float32, rows=5, k=200, n=40, seed=0)  # AVX2: blocks past a 3-row sweep against a 6-row sweep
+# enough panels for several runs a thread (parallel_panels), an odd K's last pair at a run's end
+@example(dtype=next((d for d, ok in EXPECTED.items() if ok), torch.float32), rows=8, k=37, n=650, seed=1)
+@example(dtype=torch.float32, rows=1, k=200, n=650, seed=2)
 def test_how_the_weights_are_asked_for_changes_no_value(dtype, rows, k, n, seed):
     """Each tuning dispatch.py may choose: where the weight stream is asked for and how many rows one
     sweep of it takes, not what is summed (every output's sum is one chain in k order either way)."""
