@@ -1,5 +1,6 @@
 """The packed ragged forward is exact: per-request logits equal an unbatched reference forward."""
 
+import copy
 import dataclasses
 import gc
 import os
@@ -16,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from engine.model import kernels as engine_kernels
 from engine.model.kernels import dispatch
 from engine.core.config import ModelConfig, SchedulerConfig
+from engine.model.lean_qwen2 import rope_is_fixed
 from engine.model.loader import load_model, pack_linear_weights
 from engine.model.runner import ModelRunner
 from engine.core.plan import BatchPlan
@@ -260,32 +262,32 @@ def test_qwen3_head_dim_without_a_decode_kernel_stays_exact(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_lean_forward_reads_rotary_rows_the_module_would_make(dtype):
+@pytest.mark.parametrize("rope", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+                                  {"rope_type": "dynamic", "factor": 2.0}])
+def test_the_lean_forward_reads_rotary_rows_the_module_would_make(dtype, rope):
     """cos/sin come from a table made once over the KV cache's positions: the same bits as the
-    rotary module at any positions; a dynamic rope type keeps calling the module (its frequencies
-    follow the longest sequence seen)."""
+    rotary module at any positions (yarn: scaled, still fixed); a dynamic rope type keeps calling
+    the module, whose frequencies follow the longest sequence seen (here past 16 positions)."""
     runner = ModelRunner(ModelConfig(name="tiny", dtype=dtype), SchedulerConfig(max_num_seqs=2, max_model_len=64))
     lean = runner._lean
+    if rope is not None:
+        config = copy.deepcopy(runner.model.config)
+        config.max_position_embeddings = 16
+        config.rope_parameters = {**rope, "rope_theta": config.rope_parameters["rope_theta"]}
+        lean.rotary = type(lean.rotary)(config)
+        lean._rope_fixed = rope_is_fixed(lean.rotary)
+    reference = copy.deepcopy(lean.rotary)  # the module as it stands, called apart
     h = torch.zeros(1, dtype=runner.model.dtype)
     positions = torch.tensor([0, 63, 5, 5, 17])
+    if rope is None:  # a table for a shorter cache, made anew for a longer one
+        lean._cos_sin(h, positions[positions < 32], 32)
+        assert lean._rope_table[0].shape[0] == 32
     cos, sin = lean._cos_sin(h, positions, 64)
-    ref_cos, ref_sin = lean.rotary(h, positions[None])
+    ref_cos, ref_sin = reference(h, positions[None])
     assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
-    assert lean._rope_table[0].shape[0] == 64
-
-    calls, module = [], lean.rotary
-
-    class Dynamic:
-        rope_type = "dynamic"
-
-        def __call__(self, x, pos):
-            calls.append(pos.shape[-1])
-            return module(x, pos)
-
-    lean.rotary, lean._rope_table = Dynamic(), None
-    cos, sin = lean._cos_sin(h, positions, 64)
-    assert calls == [5] and lean._rope_table is None
-    assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
+    dynamic = rope is not None and rope["rope_type"] == "dynamic"
+    assert lean._rope_fixed is not dynamic
+    assert (lean._rope_table is None) if dynamic else (lean._rope_table[0].shape[0] == 64)
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):

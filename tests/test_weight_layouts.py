@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine.core.config import ModelConfig, SchedulerConfig
@@ -63,28 +63,27 @@ def test_each_linear_weight_lives_in_one_layout(force, monkeypatch):
         assert released(embedding) and lean.embed_panels is lean.lm.panels
 
 
-# the kernel where it is built (else panel_rows is the torch form too) and the torch form, which
-# machines without the kernels run
-PANEL_READERS = [kernels.panel_rows, kernels.torch_panel_rows]
+needs_kernels = pytest.mark.skipif(not kernels.built(), reason="panels are read back by miniserve's kernels, not built here")
 
 
-@pytest.mark.parametrize("read", PANEL_READERS)
+@needs_kernels
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 70), k=st.integers(1, 9), rows=st.integers(0, 11),
+@given(n=st.integers(1, 70), k=st.integers(1, 300), rows=st.integers(0, 11),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
-def test_panel_rows_read_back_the_packed_weight(read, n, k, rows, dtype):
+@example(n=70, k=65, rows=11, dtype=torch.bfloat16)  # past the op's 32 steps of reads ahead, an odd K
+def test_panel_rows_read_back_the_packed_weight(n, k, rows, dtype):
     w = torch.randn(n, k).to(dtype)
     ids = torch.randint(0, n, (rows,))
-    got = read(kernels.pack_panels(w), ids)
+    got = kernels.panel_rows(kernels.pack_panels(w), ids)
     assert got.is_contiguous() and got.shape == (rows, k) and torch.equal(got, F.embedding(ids, w))
 
 
-@pytest.mark.parametrize("read", PANEL_READERS)
+@needs_kernels
 @pytest.mark.parametrize("bad", [70, 95, -1])  # past n in the last panel's padding, past the panels, negative
-def test_panel_rows_refuse_an_id_outside_the_weight(read, bad):
+def test_panel_rows_refuse_an_id_outside_the_weight(bad):
     panels = kernels.pack_panels(torch.randn(70, 5).to(torch.bfloat16))
-    with pytest.raises((IndexError, RuntimeError), match="outside"):
-        read(panels, torch.tensor([3, bad]))
+    with pytest.raises(RuntimeError, match=f"id {bad} is outside"):
+        kernels.panel_rows(panels, torch.tensor([3, bad]))
 
 
 def test_the_stock_forward_on_cpu_reads_only_oneDNN_copies(tmp_path):

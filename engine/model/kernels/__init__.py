@@ -157,25 +157,15 @@ def pack_panels(w: torch.Tensor, out: torch.Tensor | None = None) -> Panels:
 
 
 def panel_rows(panels: Panels, rows: torch.Tensor) -> torch.Tensor:
-    """``w[rows]`` (len(rows), k) read back out of ``pack_panels(w)``, value for value: by
-    gemv.cpp's panel_rows where the kernels are built (several rows' reads in flight at once), else
-    by torch's indexing.
+    """``w[rows]`` (len(rows), k) read back out of ``pack_panels(w)``, value for value, ``rows``
+    int64 (gemv.cpp's panel_rows: several rows' strided reads in flight at once).
 
     Why: a tied embedding is its lm_head's weight, so the embedding lookup reads the lm_head's
-    panels instead of keeping the weight a second time in its plain layout."""
-    if _load():
-        return torch.ops.miniserve.panel_rows(panels.data, rows, panels.n, panels.k)
-    return torch_panel_rows(panels, rows)
-
-
-def torch_panel_rows(panels: Panels, rows: torch.Tensor) -> torch.Tensor:
-    """``panel_rows`` in torch's indexing (machines without the kernels)."""
-    if rows.numel() and not (0 <= int(rows.min()) and int(rows.max()) < panels.n):  # padding would read as zeros
-        raise IndexError(f"panel_rows: an id in {rows.tolist()} is outside [0, {panels.n})")
-    d = panels.data
-    if d.dtype == torch.bfloat16:  # (panels, k/2, PANEL, 2): a row's pairs, then its k
-        return d[rows // PANEL, :, rows % PANEL, :].reshape(len(rows), 2 * d.shape[1])[:, :panels.k].contiguous()
-    return d[rows // PANEL, :, rows % PANEL].contiguous()  # (panels, k, PANEL)
+    panels instead of keeping the weight a second time in its plain layout. Only where the gemv
+    runs, the one place panels are made."""
+    if not _load():
+        raise RuntimeError("panel_rows reads panels with miniserve's kernels, which are not built here")
+    return torch.ops.miniserve.panel_rows(panels.data, rows, panels.n, panels.k)
 
 
 def huge_page_arena(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
