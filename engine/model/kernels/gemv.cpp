@@ -68,6 +68,13 @@ constexpr int64_t kBlockRows = 8;  // rows per register block: 2 accumulators pe
 constexpr int64_t kStreamRowsMax = 16;  // the most rows one sweep of the weights takes (GemvTuning.stream_rows)
 constexpr int64_t kSweepRowsAvx2 = 6;  // AVX2's longest sweep: two passes of 3 rows × a whole panel per sub-block
 constexpr int64_t kPassRowsAvx2 = 3;   // AVX2's pass: 3 rows × a whole panel (12 accumulators); its shortest sweep
+constexpr int64_t kStepBytes = 128;    // one k step of a fp32 panel, one k pair of a bf16 one
+
+// The shape pack_panels gives a weight of N outputs × K inputs (engine.kernels.panel_shape)
+std::vector<int64_t> panel_shape(bool bf16, int64_t N, int64_t K) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  return bf16 ? std::vector<int64_t>{panels, (K + 1) / 2, kPanel, 2} : std::vector<int64_t>{panels, K, kPanel};
+}
 
 #ifdef MINISERVE_X86
 
@@ -89,7 +96,6 @@ struct Prefetch {
   const char* end = nullptr;
   int64_t every = 1;
 };
-constexpr int64_t kStepBytes = 128;
 
 // SSE's prefetch: every x86-64 CPU has it, so both the AVX-512 and the AVX2 loops inline it. The
 // L2 form is written as the instruction itself: GCC 12 compiled _mm_prefetch(p, _MM_HINT_T1) in this
@@ -615,10 +621,7 @@ void check_product(const char* op, const at::Tensor& x, const at::Tensor& wp, in
   TORCH_CHECK(wp.scalar_type() == x.scalar_type(), op, "x is ", x.scalar_type(), ", the panels are ",
               wp.scalar_type());
   TORCH_CHECK(x.size(1) == K, op, "x has ", x.size(1), " columns, the panels were packed for ", K);
-  const int64_t panels = (N + kPanel - 1) / kPanel;
-  const std::vector<int64_t> shape = x.scalar_type() == at::kBFloat16
-                                         ? std::vector<int64_t>{panels, (K + 1) / 2, kPanel, 2}
-                                         : std::vector<int64_t>{panels, K, kPanel};
+  const std::vector<int64_t> shape = panel_shape(x.scalar_type() == at::kBFloat16, N, K);
   TORCH_CHECK(N >= 1 && wp.sizes() == at::IntArrayRef(shape), op, "panels of shape ", wp.sizes(), " do not hold ", N,
               " outputs of ", K, " inputs (pack them with engine.kernels.pack_panels)");
   TORCH_CHECK(x.size(0) >= 1, op, "at least one row, got ", x.size(0));
@@ -763,11 +766,10 @@ at::Tensor panel_rows(const at::Tensor& wp, const at::Tensor& ids, int64_t N, in
   TORCH_CHECK(wp.scalar_type() == at::kFloat || wp.scalar_type() == at::kBFloat16, op, "panels are fp32 or bf16, got ",
               wp.scalar_type());
   const bool bf16 = wp.scalar_type() == at::kBFloat16;
-  const int64_t panels = (N + kPanel - 1) / kPanel, steps = bf16 ? (K + 1) / 2 : K;
-  const std::vector<int64_t> shape = bf16 ? std::vector<int64_t>{panels, steps, kPanel, 2}
-                                          : std::vector<int64_t>{panels, steps, kPanel};
+  const std::vector<int64_t> shape = panel_shape(bf16, N, K);
   TORCH_CHECK(N >= 1 && K >= 1 && wp.is_contiguous() && wp.sizes() == at::IntArrayRef(shape), op, "panels of shape ",
               wp.sizes(), " do not hold ", N, " rows of ", K, " (pack them with engine.kernels.pack_panels)");
+  const int64_t steps = shape[1];  // k steps (fp32) or k pairs (bf16) per panel
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, op, "ids must be a 1-D int64 tensor");
   const at::Tensor idx = ids.contiguous();
   const int64_t n = idx.size(0);
