@@ -573,9 +573,24 @@ def test_decode_attention_equals_exact_attention_over_each_requests_own_keys(dty
         qr = q[r].double().view(kv_heads, group, d)
         p = torch.softmax(qr @ k_store[s, :, :n].double().transpose(1, 2) * d ** -0.5, dim=-1)
         ref = (p @ v_store[s, :, :n].double()).reshape(num_heads, d)
-        # fp32: summation order and exp's polynomial; bf16: also the one rounding of the output
+        # fp32: summation order and exp's polynomial; bf16: also the one rounding of the output,
+        # and with dot products that of the probabilities
         tol = 1e-5 if dtype == torch.float32 else 1e-5 + 2 ** -8 * ref.abs()
+        if _rounds_probabilities(dtype, d):
+            tol = tol + _probability_rounding(p, v_store[s, :, :n]).reshape(num_heads, d)
         assert ((out[r].double() - ref).abs() <= tol).all()
+
+
+def _rounds_probabilities(dtype: torch.dtype, d: int) -> bool:
+    """Whether the kernel rounds the probabilities to bf16 before the value pass, as SDPA's CPU flash
+    kernel does: bf16 with AVX512-BF16 dot products (a head dim of a multiple of 32)."""
+    return dtype == torch.bfloat16 and d % 32 == 0 and "avx512_bf16" in FEATURES
+
+
+def _probability_rounding(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The most that rounding each probability to bf16 (relative error at most 2^-8) moves an
+    output: 2^-8 · Σ_j p_j |v_j|, and its own rounding to bf16 on top (kv_heads, group, d)."""
+    return (1 + 2 ** -8) * 2 ** -8 * (p @ v.double().abs())
 
 
 @needs("decode_attention", torch.float32)
@@ -594,7 +609,8 @@ def test_decode_attention_values_do_not_depend_on_how_the_threads_share_the_task
             with on_threads(threads):
                 outs.append(op(q[rows], k_store, v_store, slots[rows], lens[rows], 64 ** -0.5))
         assert all(torch.equal(outs[0], out) for out in outs[1:])
-        _assert_exact_attention(outs[:1], q[rows], k_store, v_store, slots[rows], lens[rows], dtype == torch.bfloat16)
+        _assert_exact_attention(outs[:1], q[rows], k_store, v_store, slots[rows], lens[rows], dtype == torch.bfloat16,
+                                _rounds_probabilities(dtype, 64))
 
 
 def _chunk_and_decodes(dtype: torch.dtype, d: int, heads: int, max_len: int):
@@ -609,9 +625,10 @@ def _chunk_and_decodes(dtype: torch.dtype, d: int, heads: int, max_len: int):
     return torch.randn(len(slots), heads, d, generator=g).to(dtype), k_store, v_store, slots, lens
 
 
-def _assert_exact_attention(outs, q, k_store, v_store, slots, lens, bf16_rounding: bool) -> None:
+def _assert_exact_attention(outs, q, k_store, v_store, slots, lens, bf16_rounding: bool,
+                            rounded_probabilities: bool = False) -> None:
     """Every output equals float64 attention over its row's own keys, up to fp32 rounding (and the
-    output's one bf16 rounding)."""
+    output's one bf16 rounding, and the probabilities' where the kernel rounds them)."""
     heads, d = q.shape[1], q.shape[2]
     kv_heads = k_store.shape[1]
     for r, (s, n) in enumerate(zip(slots.tolist(), lens.tolist())):
@@ -619,24 +636,50 @@ def _assert_exact_attention(outs, q, k_store, v_store, slots, lens, bf16_roundin
         p = torch.softmax(qr @ k_store[s, :, :n].double().transpose(1, 2) * d ** -0.5, dim=-1)
         ref = (p @ v_store[s, :, :n].double()).reshape(heads, d)
         tol = 1e-5 + (2 ** -8 * ref.abs() if bf16_rounding else 0)
+        if rounded_probabilities:
+            tol = tol + _probability_rounding(p, v_store[s, :, :n]).reshape(heads, d)
         for out in outs:
             assert ((out[r].double() - ref).abs() <= tol).all()
+
+
+@needs("decode_attention", torch.float32)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES or [torch.float32])
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+def test_decode_attention_reads_nothing_past_a_rows_keys(dtype, d):
+    """A slot's keys and values past a row's length are another request's or garbage: NaN there
+    leaves every output as it was (the bf16 value pass pairs an odd length's last key with zeros,
+    not with the store's next key)."""
+    q, k_store, v_store, slots, lens = _chunk_and_decodes(dtype, d, 14, 80)
+    op = kernels.decode_attention(dtype, d)
+    clean = op(q, k_store, v_store, slots, lens, d ** -0.5)
+    poisoned_k, poisoned_v = k_store.clone(), v_store.clone()
+    for s in range(k_store.shape[0]):
+        n = int(lens[slots == s].max())
+        poisoned_k[s, :, n:] = float("nan")
+        poisoned_v[s, :, n:] = float("nan")
+    for r in range(len(slots)):  # each row alone, its own keys the only finite ones of its slot
+        s, n = int(slots[r]), int(lens[r])
+        k_row, v_row = poisoned_k.clone(), poisoned_v.clone()
+        k_row[s, :, n:], v_row[s, :, n:] = float("nan"), float("nan")
+        out = op(q[r:r + 1], k_row, v_row, slots[r:r + 1], lens[r:r + 1], d ** -0.5)
+        assert torch.equal(out, clean[r:r + 1])
 
 
 @needs("decode_attention", torch.bfloat16)
 @pytest.mark.skipif("avx512_bf16" not in FEATURES, reason="the bf16 dot-product scores need AVX512-BF16")
 @pytest.mark.parametrize("d", [16, 32, 64, 128])
 def test_bf16_attention_with_and_without_bf16_dot_products(d):
-    # where the CPU has AVX512-BF16 the bf16 scores are dot products of bf16 pairs (D a multiple of
-    # 32), else widened FMAs (as under MINISERVE_CPU_FEATURES=avx512): both are exact attention up
-    # to rounding, on a prefill chunk's rows and on decodes beside it
+    # where the CPU has AVX512-BF16 the bf16 scores and value sums are dot products of bf16 pairs
+    # (D a multiple of 32; the probabilities rounded to bf16 first, as SDPA's CPU kernel rounds
+    # them), else widened FMAs over fp32 probabilities (as under MINISERVE_CPU_FEATURES=avx512):
+    # both are exact attention up to their rounding, on a prefill chunk's rows (every length
+    # 1..37: odd ones pair their last key with zeros) and on decodes beside it
     case = _chunk_and_decodes(torch.bfloat16, d, 14, 80)
     op = kernels.decode_attention(torch.bfloat16, d)
-    outs = []
     for dot_products in (True, False):
         with allowing(True, True, dot_products):
-            outs.append(op(*case, d ** -0.5))
-    _assert_exact_attention(outs, *case, bf16_rounding=True)
+            out = op(*case, d ** -0.5)
+        _assert_exact_attention([out], *case, bf16_rounding=True, rounded_probabilities=dot_products and d % 32 == 0)
 
 
 @needs("decode_attention", torch.float32)

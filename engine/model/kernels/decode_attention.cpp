@@ -16,7 +16,9 @@
 // values are widened on load; the output is rounded once), as SDPA's CPU kernel accumulates;
 // where the CPU has AVX512-BF16 (and the mask allows it), bf16 scores are instead bf16 dot
 // products over pairs of dimensions, each product exact in fp32 as before, summed in fp32 in
-// another order (scores_of_dp: a block of 16 keys transposed once, no sums across lanes).
+// another order (scores_of_dp: a block of 16 keys transposed once, no sums across lanes), and the
+// value pass rounds the probabilities to bf16, as SDPA's CPU flash kernel does before its value
+// product, and takes two keys per dot product (values_of_dp): half the value pass's instructions.
 //
 // Shapes: q (rows, heads, D); k_store, v_store (slots, kv_heads, max_len, D) as SlotKVCache keeps
 // them; slots, lens (rows,) int64: the slot of each row and how many keys it sees. D a multiple of
@@ -277,20 +279,96 @@ MINISERVE_TARGET void values_of(const float* p, const T* v, int64_t L, int G, co
   }
 }
 
+// The value pass for bf16 on CPUs with AVX512-BF16: the probabilities rounded to bf16, as SDPA's
+// CPU flash kernel rounds them before its value product, then bf16 dot products over pairs of keys
+// (each product exact in fp32, summed in fp32): one instruction per 16 outputs takes two keys,
+// where the widened FMAs took one, and the values are not widened. pb holds each head's rounded
+// probabilities, Lp (L rounded up to even) apart, a 0 after an odd L's last key, which is paired
+// with zeros rather than the store's next key. Keys j and j + 1 interleaved 16 bits at a time put
+// dimensions 8l..8l+3 of each 128-bit lane l in one vector and 8l+4..8l+7 in another, so each
+// head's NC accumulators hold its outputs in that order until they are put back at the end.
+template <int NC, int GB>
+MINISERVE_TARGET_BF16 void values_block_dp(const uint16_t* pb, int64_t Lp, const uint16_t* v, int64_t L, int g0,
+                                           const float* inv_sum, uint16_t* out, const uint16_t* next_k,
+                                           int64_t next_len) {
+  constexpr int64_t D = NC * 16;
+  __m512 acc[GB][NC];
+  for (int i = 0; i < GB; ++i)
+    for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < L; j += 2) {
+    for (int64_t jj = j; jj < std::min(j + 2, next_len); ++jj) {
+      for (int64_t i = 0; i < D * 2; i += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next_k + jj * D) + i, _MM_HINT_T0);
+    }
+    const bool two = j + 1 < L;
+    __m512i vp[NC];
+    for (int c = 0; c < NC / 2; ++c) {
+      const __m512i a = _mm512_loadu_si512(v + j * D + 32 * c);
+      const __m512i b = two ? _mm512_loadu_si512(v + (j + 1) * D + 32 * c) : _mm512_setzero_si512();
+      vp[2 * c] = _mm512_unpacklo_epi16(a, b);
+      vp[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+    for (int i = 0; i < GB; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, pb + (g0 + i) * Lp + j, 4);
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)vp[c], pp);
+    }
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < GB; ++i) {
+    const __m512 w = _mm512_set1_ps(inv_sum[g0 + i]);
+    uint16_t* o = out + (g0 + i) * D;
+    for (int c = 0; c < NC / 2; ++c) {
+      store16(o + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(acc[i][2 * c], first, acc[i][2 * c + 1]), w));
+      store16(o + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(acc[i][2 * c], second, acc[i][2 * c + 1]), w));
+    }
+  }
+}
+
+// values_of for the dot products: the scores (e^(s - max) after softmax_rows) rounded into pb first
+template <int NC, int GB>
+MINISERVE_TARGET_BF16 void values_of_dp(const float* p, const uint16_t* v, int64_t L, int G, const float* inv_sum,
+                                        uint16_t* out, const uint16_t* next_k, int64_t next_len,
+                                        std::vector<uint16_t>& pb) {
+  const int64_t Lp = (L + 1) & ~int64_t(1);
+  pb.resize(G * Lp);
+  for (int g = 0; g < G; ++g) {
+    for (int64_t j = 0; j < L; j += 16) store16(pb.data() + g * Lp + j, _mm512_loadu_ps(p + g * L + j), lanes(L - j));
+    if (Lp > L) pb[g * Lp + L] = 0;
+  }
+  int g = 0;
+  for (; g + GB <= G; g += GB, next_len = 0) values_block_dp<NC, GB>(pb.data(), Lp, v, L, g, inv_sum, out, next_k, next_len);
+  switch (G - g) {  // the group's last heads: one narrower block
+    case 0: break;
+    case 1: values_block_dp<NC, 1>(pb.data(), Lp, v, L, g, inv_sum, out, next_k, next_len); break;
+    case 2: if constexpr (GB > 2) values_block_dp<NC, 2>(pb.data(), Lp, v, L, g, inv_sum, out, next_k, next_len); break;
+    case 3: if constexpr (GB > 3) values_block_dp<NC, 3>(pb.data(), Lp, v, L, g, inv_sum, out, next_k, next_len); break;
+    case 4: if constexpr (GB > 4) values_block_dp<NC, 4>(pb.data(), Lp, v, L, g, inv_sum, out, next_k, next_len); break;
+    case 5: if constexpr (GB > 5) values_block_dp<NC, 5>(pb.data(), Lp, v, L, g, inv_sum, out, next_k, next_len); break;
+    case 6: if constexpr (GB > 6) values_block_dp<NC, 6>(pb.data(), Lp, v, L, g, inv_sum, out, next_k, next_len); break;
+    default: if constexpr (GB > 7) values_block_dp<NC, 7>(pb.data(), Lp, v, L, g, inv_sum, out, next_k, next_len); break;
+  }
+}
+
 // one (row, KV head) task: its G query heads against its L keys and values; `fresh`: its values are
 // not in cache from the row before (not a prefill chunk's row), so they are asked for early
 template <int NC, int GB, typename T>
 MINISERVE_TARGET void attend_task(const T* qg, const T* k, const T* v, int64_t L, int G, float scale, T* out,
                                   bool fresh, const T* next_k, int64_t next_len, bool dp, std::vector<float>& qf,
-                                  std::vector<float>& scores, std::vector<float>& inv_sum) {
+                                  std::vector<float>& scores, std::vector<float>& inv_sum, std::vector<uint16_t>& pb) {
   scores.resize(G * L);
   if constexpr (std::is_same_v<T, uint16_t> && NC % 2 == 0) {
-    if (dp) scores_of_dp<NC>(qg, scale, k, fresh ? v : nullptr, L, G, scores.data());
+    if (dp) {
+      scores_of_dp<NC>(qg, scale, k, fresh ? v : nullptr, L, G, scores.data());
+      softmax_rows(scores.data(), L, G, inv_sum.data());
+      values_of_dp<NC, GB>(scores.data(), v, L, G, inv_sum.data(), out, next_k, next_len, pb);
+      return;
+    }
   }
-  if (!dp) {
-    for (int64_t i = 0; i < G * NC * 16; i += 16) store16(qf.data() + i, _mm512_mul_ps(load16(qg + i), _mm512_set1_ps(scale)));
-    scores_of<NC>(qf.data(), k, fresh ? v : nullptr, L, G, scores.data());
-  }
+  for (int64_t i = 0; i < G * NC * 16; i += 16) store16(qf.data() + i, _mm512_mul_ps(load16(qg + i), _mm512_set1_ps(scale)));
+  scores_of<NC>(qf.data(), k, fresh ? v : nullptr, L, G, scores.data());
   softmax_rows(scores.data(), L, G, inv_sum.data());
   values_of<NC, GB>(scores.data(), v, L, G, inv_sum.data(), out, next_k, next_len);
 }
@@ -507,6 +585,7 @@ void attend(const T* q, const T* ks, const T* vs, const int64_t* slots, const in
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> qf(G * D), scores, inv_sum(G);
+    std::vector<uint16_t> pb;  // the bf16 probabilities of values_of_dp
     auto kv_of = [&](int64_t t) { return (slots[t / kv_heads] * kv_heads + t % kv_heads) * max_len * D; };
     auto chunk_row = [&](int64_t r) {  // a row of a prefill chunk: a neighbouring row shares its slot
       return (r > 0 && slots[r - 1] == slots[r]) || (r + 1 < rows && slots[r + 1] == slots[r]);
@@ -535,7 +614,7 @@ void attend(const T* q, const T* ks, const T* vs, const int64_t* slots, const in
       }
       if (!attended) {
         attend_task<NC, GB>(q + qo, ks + kv, vs + kv, lens[r], G, scale, out + qo, !chunk_row(r), next_k, next_len,
-                            dp, qf, scores, inv_sum);
+                            dp, qf, scores, inv_sum, pb);
       }
       t = ahead ? tn : claim();
     }
