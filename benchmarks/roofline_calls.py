@@ -5,9 +5,13 @@ Each call's roofline time is max(bytes moved / bandwidth, FLOPs / matmul through
 memory bandwidth the host leaves moves between spells of seconds to minutes (36-66 GB/s within a
 quarter of an hour on one machine; single decode calls 44-68 ms within ten seconds on another), so
 a limit measured away from a call says little about it. For each shape, ``--pairs`` times: one
-bandwidth probe, one matmul probe, one call; each pair gives call / roofline at that pair's
-probes, and ``paired`` is the median of those ratios with its interquartile range (a spell slows
-the probe beside the call as it slows the call, so their ratio keeps the kernel's share). ``best``
+bandwidth probe, one matmul probe, two calls; each pair gives the second call / roofline at that
+pair's probes, and ``paired`` is the median of those ratios with its interquartile range (a spell
+slows the probe beside the call as it slows the call, so their ratio keeps the kernel's share).
+The second call is the one a server runs, after another call: the probes (a 512 MB read, large
+matmuls) leave the caches and TLBs to themselves, and the first call after them pays to fill them
+again (1.01-1.02x the next call at bf16 and fp32 decode B=8, docs/architecture.md); its ratio is
+printed beside, as ``1st``. ``best``
 sets the fastest call against the fastest probes of the shape's pairs: both free of noise (noise
 here only adds time), the kernel against the machine undisturbed. A single probe can itself land in a
 slow moment, so a pair's ratio may fall below 1 (its probe read slow); the median over the pairs
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sys
 from pathlib import Path
@@ -61,18 +65,24 @@ CUDA_ATTENTION_OPS = ("aten::scaled_dot_product_attention",)  # and flash-attn's
 
 @dataclass
 class Pairs:
-    """One shape's (probe, call) pairs: each call's seconds and the machine probed just before it."""
+    """One shape's (probe, call) pairs: the machine probed, then the seconds of the call right after
+    the probes and of the one after that (the call a server runs, after another)."""
 
-    calls_s: list[float]
+    calls_s: list[float]  # the second call after each pair's probes
     machines: list[Machine]
+    first_calls_s: list[float] = field(default_factory=list)  # the call right after the probes
 
-    def ratios(self, plan: BatchPlan, shape: ModelShape) -> list[float]:
-        return [t / roofline_s(plan, shape, m) for t, m in zip(self.calls_s, self.machines)]
+    def ratios(self, plan: BatchPlan, shape: ModelShape, calls_s: list[float] | None = None) -> list[float]:
+        return [t / roofline_s(plan, shape, m) for t, m in zip(self.calls_s if calls_s is None else calls_s, self.machines)]
 
     def paired(self, plan: BatchPlan, shape: ModelShape) -> tuple[float, float, float]:
         """The median of call / roofline over the pairs, and its quartiles (within the data)."""
         q1, q2, q3 = statistics.quantiles(self.ratios(plan, shape), n=4, method="inclusive")
         return q2, q1, q3
+
+    def first_after_probes(self, plan: BatchPlan, shape: ModelShape) -> float:
+        """The median ratio of the calls that came right after the probes."""
+        return statistics.median(self.ratios(plan, shape, self.first_calls_s))
 
     def best(self, plan: BatchPlan, shape: ModelShape) -> float:
         """The fastest call against the fastest bandwidth and the fastest matmul probed (each may
@@ -86,6 +96,7 @@ def time_pairs(runner: ModelRunner, plan: BatchPlan, reqs, memory: BandwidthProb
     out = Pairs([], [])
     for _ in range(pairs):
         out.machines.append(Machine(memory.measure(1), matmul.measure(1)))
+        out.first_calls_s.append(runner.execute(plan, reqs).duration_s)
         out.calls_s.append(runner.execute(plan, reqs).duration_s)
     return out
 
@@ -148,7 +159,7 @@ def main() -> None:
               flush=True)
         issue = ISSUE_MACHINE.get(d) if runner.device.type == "cpu" else None  # a CPU's figures
         print(f"{d}: {'shape':12s} {'meas ms':>8s} {'probe GB/s':>11s} {'GFLOP/s':>8s} {'roof ms':>8s} {'bound':>7s} "
-              f"{'paired [p25-p75]':>18s} {'best':>5s}" + (f" {'issue roof':>10s} {'meas/issue':>10s}" if issue else ""),
+              f"{'paired [p25-p75]':>18s} {'best':>5s} {'1st':>5s}" + (f" {'issue roof':>10s} {'meas/issue':>10s}" if issue else ""),
               flush=True)
         splits = {}
         for name, (contexts, chunks) in shapes.items():
@@ -165,7 +176,8 @@ def main() -> None:
             bound = "memory" if nbytes / m.bandwidth_bytes_s >= flops / m.matmul_flops_s else "compute"
             bws = [p.bandwidth_bytes_s / 1e9 for p in pairs.machines]
             row = (f"{d}: {name:12s} {1e3 * t:8.1f} {min(bws):5.0f}-{max(bws):<5.0f} {m.matmul_flops_s / 1e9:8.0f} "
-                   f"{1e3 * roofline_s(plan, shape, m):8.1f} {bound:>7s} {ratio:6.2f} [{q1:4.2f}-{q3:4.2f}] {best:5.2f}")
+                   f"{1e3 * roofline_s(plan, shape, m):8.1f} {bound:>7s} {ratio:6.2f} [{q1:4.2f}-{q3:4.2f}] {best:5.2f} "
+                   f"{pairs.first_after_probes(plan, shape):5.2f}")
             worst[f"paired_{d}"] = max(worst.get(f"paired_{d}", 0.0), ratio)
             worst[f"best_{d}"] = max(worst.get(f"best_{d}", 0.0), best)
             if issue:

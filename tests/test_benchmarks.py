@@ -31,6 +31,14 @@ def test_roofline_calls_runs_and_prints_its_split_and_worst_ratios():
     assert "GB/s of weights" in proc.stdout  # the profiled split found the linears
     worst = [w for w in proc.stdout.split() if w.startswith("worst_meas_over_roofline_paired_float32=")]
     assert len(worst) == 1 and float(worst[0].split("=")[1]) > 0
+    # each shape's row: paired [p25-p75], best, and the call right after the probes ("1st")
+    header = next(line for line in proc.stdout.splitlines() if "paired [p25-p75]" in line)
+    assert re.search(r"paired \[p25-p75\]\s+best\s+1st", header)
+    for name in ("decode B=1", "prefill 128"):
+        row = next(line for line in proc.stdout.splitlines() if line.startswith(f"float32: {name} "))
+        cells = re.search(r"([\d.]+) \[([\d.]+)-([\d.]+)\]\s+([\d.]+)\s+([\d.]+)", row)
+        paired, q1, q3, best, first = (float(c) for c in cells.groups())
+        assert q1 <= paired <= q3 and best > 0 and first > 0
 
 
 def test_engine_vs_hf_pairs_its_ratio_by_round():
