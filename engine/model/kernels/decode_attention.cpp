@@ -335,7 +335,7 @@ MINISERVE_TARGET_BF16 void values_of_dp(const float* p, const uint16_t* v, int64
   const int64_t Lp = (L + 1) & ~int64_t(1);
   pb.resize(G * Lp);
   for (int g = 0; g < G; ++g) {
-    for (int64_t j = 0; j < L; j += 16) store16(pb.data() + g * Lp + j, _mm512_loadu_ps(p + g * L + j), lanes(L - j));
+    for (int64_t j = 0; j < L; j += 16) store16(pb.data() + g * Lp + j, load16(p + g * L + j, lanes(L - j)), lanes(L - j));
     if (Lp > L) pb[g * Lp + L] = 0;
   }
   int g = 0;
