@@ -10,8 +10,7 @@ pair's probes, and ``paired`` is the median of those ratios with its interquarti
 slows the probe beside the call as it slows the call, so their ratio keeps the kernel's share).
 The second call is the one a server runs, after another call: the probes (a 512 MB read, large
 matmuls) leave the caches and TLBs to themselves, and the first call after them pays to fill them
-again (1.01-1.02x the next call at bf16 and fp32 decode B=8, docs/architecture.md); its ratio is
-printed beside, as ``1st``. ``best``
+again (docs/architecture.md has the figures); its ratio is printed beside, as ``1st``. ``best``
 sets the fastest call against the fastest probes of the shape's pairs: both free of noise (noise
 here only adds time), the kernel against the machine undisturbed. A single probe can itself land in a
 slow moment, so a pair's ratio may fall below 1 (its probe read slow); the median over the pairs

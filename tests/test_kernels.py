@@ -674,7 +674,8 @@ def test_bf16_attention_with_and_without_bf16_dot_products(d):
     for dot_products in (True, False):
         with allowing(True, True, dot_products):
             out = op(*case, d ** -0.5)
-        _assert_exact_attention([out], *case, bf16_rounding=True, rounded_probabilities=dot_products and d % 32 == 0)
+        _assert_exact_attention([out], *case, bf16_rounding=True,
+                                rounded_probabilities=dot_products and _rounds_probabilities(torch.bfloat16, d))
 
 
 @needs("decode_attention", torch.float32)

@@ -307,8 +307,8 @@ class LeanQwen2:
         (``rope_is_fixed``: a row then depends on its position alone, so the same bits).
 
         Why: the module makes them anew each step in ~8 small ops (product, concatenation, cos, sin,
-        scaling, casts), which after a step's weight sweep run with cold caches: 0.13 ms of a
-        2-thread bf16 decode at 8 rows, against ~0.03 ms for two row gathers (docs/architecture.md)."""
+        scaling, casts), which after a step's weight sweep run with cold caches, several times what
+        two row gathers cost (docs/architecture.md has the figures)."""
         if not self._rope_fixed:
             cos, sin = self.rotary(h, positions[None])
             return cos[0], sin[0]

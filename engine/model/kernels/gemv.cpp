@@ -759,8 +759,8 @@ at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& wp, int64_t inter
 // apart, 4 bytes of each 128 (kStepBytes), so a row is K or ceil(K / 2) 4-byte reads one cache
 // line each, lines the last step's lm_head product swept out of the caches. Rows are read side by
 // side, each asking for its line kAhead steps on: up to (rows x kAhead) misses in flight, where
-// torch's indexing of the same elements took them about one at a time (0.13 ms in a 2-thread bf16
-// decode at 8 rows, docs/architecture.md).
+// torch's indexing of the same elements took them about one at a time (docs/architecture.md has
+// the figures).
 at::Tensor panel_rows(const at::Tensor& wp, const at::Tensor& ids, int64_t N, int64_t K) {
   const char* op = "miniserve::panel_rows: ";
   TORCH_CHECK(wp.scalar_type() == at::kFloat || wp.scalar_type() == at::kBFloat16, op, "panels are fp32 or bf16, got ",
